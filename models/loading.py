@@ -1,0 +1,202 @@
+"""Load a model from a Hugging Face directory (safetensors) or a Ferry orbax checkpoint; save the latter.
+
+Both forms come back as a `LoadedModel`: the config and the model split once (`nnx.split`) into a
+static graphdef and a state pytree, which is what the jitted step takes.
+
+Ferry checkpoint layout:  DIR/ferry_config.json  DIR/params/ (orbax)  plus any tokenizer files.
+"""
+
+import dataclasses
+import glob
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from safetensors import safe_open
+
+from models.config import ConfigError, ModelConfig, load_hf_config, max_context_len, read_json
+from models.transformer import Transformer
+
+FERRY_CONFIG = "ferry_config.json"
+PARAMS_DIR = "params"
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json")
+# Buffers some checkpoints carry that are recomputed here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(slots=True)
+class LoadedModel:
+    cfg: ModelConfig
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    max_model_len: int
+    path: str | None = None
+
+    @property
+    def dtype(self):
+        return self.params()["embed_tokens"]["embedding"].dtype
+
+    def params(self) -> dict:
+        return nnx.to_pure_dict(self.state)
+
+
+def _dtype(name):
+    return None if name is None else jnp.dtype(name)
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """graphdef and a state of ShapeDtypeStructs: nothing allocated."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def random_model(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0, max_model_len: int | None = None) -> LoadedModel:
+    """Random weights (benchmarks and tests)."""
+    graphdef, state = nnx.split(Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
+    return LoadedModel(cfg, graphdef, state, max_model_len or cfg.max_position_embeddings)
+
+
+def _flat_paths(tree, prefix=()):
+    """{"layers.0.mlp.up_proj.kernel": (("layers", 0, "mlp", "up_proj", "kernel"), leaf)} of a pure dict."""
+    out = {}
+    for key, value in tree.items():
+        path = prefix + (key,)
+        if isinstance(value, dict):
+            out.update(_flat_paths(value, path))
+        else:
+            out[".".join(map(str, path))] = (path, value)
+    return out
+
+
+def _set_path(tree, path, value):
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def _fill_state(graphdef, state, arrays: dict[str, jax.Array]) -> nnx.State:
+    pure = nnx.to_pure_dict(state)
+    for name, (path, _) in _flat_paths(pure).items():
+        _set_path(pure, path, arrays[name])
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+# ---------------------------------------------------------------- Hugging Face safetensors
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = read_json(index).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(model_dir, f))]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that are not in {model_dir}: {', '.join(missing)}")
+        return [os.path.join(model_dir, f) for f in files]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights (and no model.safetensors.index.json)")
+    return files
+
+
+def _hf_to_ferry_name(hf_name: str) -> tuple[str, bool]:
+    """Checkpoint tensor name -> (Ferry parameter name, transpose?)."""
+    name = hf_name.removeprefix("model.")
+    if name == "embed_tokens.weight":
+        return "embed_tokens.embedding", False
+    if name.endswith("_proj.weight") or name == "lm_head.weight":
+        return name.removesuffix(".weight") + ".kernel", True  # torch Linear is [out, in]
+    return name, False
+
+
+def load_hf(model_dir: str, dtype=None) -> LoadedModel:
+    cfg, hf = load_hf_config(model_dir)
+    dtype = _dtype(dtype) or _dtype(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    graphdef, abstract = abstract_model(cfg, dtype)
+    expected = {name: leaf for name, (_, leaf) in _flat_paths(nnx.to_pure_dict(abstract)).items()}
+    arrays = {}
+    for path in _safetensors_files(model_dir):
+        with safe_open(path, framework="numpy") as f:
+            for hf_name in f.keys():
+                if hf_name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                name, transpose = _hf_to_ferry_name(hf_name)
+                if name == "lm_head.kernel" and cfg.tie_word_embeddings:
+                    continue  # tied: the embedding serves as the head
+                if name not in expected:
+                    raise ConfigError(f"{path}: tensor {hf_name!r} has no place in a {cfg.model_type} model "
+                                      f"built from {model_dir}/config.json")
+                host = f.get_tensor(hf_name)  # stored dtype; bf16 stays bf16 (ml_dtypes)
+                if transpose:
+                    host = host.T
+                want = expected[name]
+                if host.shape != want.shape:
+                    raise ConfigError(
+                        f"{path}: tensor {hf_name!r} has shape {list(f.get_slice(hf_name).get_shape())}, but "
+                        f"config.json implies {list(want.shape[::-1] if transpose else want.shape)}")
+                arrays[name] = jnp.asarray(host, dtype=dtype)  # casts on the way, never via float32
+    missing = sorted(set(expected) - set(arrays))
+    if missing:
+        raise ConfigError(f"{model_dir}: checkpoint lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    state = _fill_state(graphdef, abstract, arrays)
+    return LoadedModel(cfg, graphdef, state, max_context_len(hf, cfg), model_dir)
+
+
+# ---------------------------------------------------------------- Ferry orbax checkpoints
+
+def save_checkpoint(model: LoadedModel, out_dir: str, tokenizer_dir: str | None = None) -> str:
+    """Write params (orbax) and the config beside them; copy tokenizer files from `tokenizer_dir`."""
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    flat = {name: leaf for name, (_, leaf) in _flat_paths(model.params()).items()}
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(out_dir, PARAMS_DIR), flat, force=True)
+    with open(os.path.join(out_dir, FERRY_CONFIG), "w") as f:
+        json.dump({"model": model.cfg.to_json(), "max_model_len": model.max_model_len}, f, indent=2)
+    source = tokenizer_dir or model.path
+    if source:
+        for name in TOKENIZER_FILES:
+            if os.path.exists(os.path.join(source, name)):
+                shutil.copy(os.path.join(source, name), os.path.join(out_dir, name))
+    return out_dir
+
+
+def load_checkpoint(ckpt_dir: str, dtype=None) -> LoadedModel:
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    meta = read_json(os.path.join(ckpt_dir, FERRY_CONFIG))
+    cfg = ModelConfig.from_json(meta["model"])
+    params_dir = os.path.join(ckpt_dir, PARAMS_DIR)
+    if not os.path.isdir(params_dir):
+        raise FileNotFoundError(f"{params_dir}: no orbax params directory beside {FERRY_CONFIG}")
+    with ocp.StandardCheckpointer() as ckptr:
+        stored = ckptr.metadata(params_dir)
+        stored = getattr(stored, "item_metadata", stored)
+        saved_dtype = next(iter(stored.values())).dtype
+        dtype = _dtype(dtype) or jnp.dtype(saved_dtype)
+        graphdef, abstract = abstract_model(cfg, saved_dtype)
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+                  for name, (_, leaf) in _flat_paths(nnx.to_pure_dict(abstract)).items()}
+        arrays = ckptr.restore(params_dir, target)
+    if dtype != jnp.dtype(saved_dtype):
+        graphdef, abstract = abstract_model(cfg, dtype)
+        arrays = {k: v.astype(dtype) for k, v in arrays.items()}
+    state = _fill_state(graphdef, abstract, arrays)
+    return LoadedModel(cfg, graphdef, state, int(meta.get("max_model_len", cfg.max_position_embeddings)), ckpt_dir)
+
+
+def load_model(path: str, dtype=None) -> LoadedModel:
+    """The one entry point: a Ferry checkpoint directory or a Hugging Face one."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: model directory not found")
+    if os.path.exists(os.path.join(path, FERRY_CONFIG)):
+        return load_checkpoint(path, dtype)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return load_hf(path, dtype)
+    raise FileNotFoundError(f"{path}: neither {FERRY_CONFIG} (Ferry checkpoint) nor config.json (Hugging Face)")

@@ -1,0 +1,54 @@
+"""The paged KV cache and the per-step attention metadata the model reads it through."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+NULL_BLOCK = 0  # reserved: padding tokens write here and block tables pad with it
+
+# One (k_pages, v_pages) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
+KVCache = list[tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs about this step, as one explicit pytree of int32 arrays.
+
+    slot_mapping    [T]      cache slot (block * block_size + offset) each token's K/V goes to;
+                             padding tokens point into the null block.
+    block_tables    [S, W]   each sequence's pages in order; padding entries are the null block.
+    context_lens    [S]      tokens of the sequence in the cache after this step; 0 for padding rows.
+    query_start_loc [S + 1]  sequence s owns token rows [query_start_loc[s], query_start_loc[s + 1]).
+    decode          (static) every sequence has exactly one query token at row s.
+    """
+
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+    query_start_loc: jax.Array
+    decode: bool = False
+
+
+jax.tree_util.register_dataclass(
+    AttentionMetadata,
+    data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc"],
+    meta_fields=["decode"],
+)
+
+
+def init_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype) -> KVCache:
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+
+
+def write_kv(k_pages, v_pages, k, v, slot_mapping):
+    """Scatter this step's k/v [T, Hkv, D] into their slots. Under a donated cache XLA does it in place."""
+    num_blocks, block_size = k_pages.shape[:2]
+
+    def write(pages, new):
+        flat = pages.reshape(num_blocks * block_size, *pages.shape[2:])
+        flat = flat.at[slot_mapping].set(new.astype(pages.dtype), mode="drop", unique_indices=False)
+        return flat.reshape(pages.shape)
+
+    return write(k_pages, k), write(v_pages, v)

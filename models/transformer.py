@@ -1,0 +1,143 @@
+"""One decoder-only transformer for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma).
+
+Module and attribute names follow Hugging Face's (`layers.3.self_attn.q_proj`), so checkpoint
+names map onto the parameter tree mechanically (models/loading.py). The forward pass is paged: it
+writes this step's K/V into the cache and attends through block tables (models/paged.py).
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.paged import AttentionMetadata, KVCache, write_kv
+from pallas_kernels.attention import paged_attention
+
+_INIT = nnx.initializers.normal(0.02)
+
+
+class RMSNorm(nnx.Module):
+    """Llama: w * normalize(x).to(dtype).  Gemma (offset 1): (normalize(x) * (1 + w)).to(dtype)."""
+
+    def __init__(self, dim: int, eps: float, offset: float, dtype):
+        self.eps, self.offset = eps, offset
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+def _linear(cfg_in, cfg_out, bias, dtype, rngs):
+    return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                      kernel_init=_INIT, rngs=rngs)
+
+
+def rope_cos_sin(inv_freq, positions, dtype):
+    """cos, sin [T, head_dim] in the half-split layout transformers uses (rotate_half)."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x [T, H, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs):
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _linear(h, cfg.num_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.k_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.o_proj = _linear(cfg.num_heads * d, h, cfg.o_bias, dtype, rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset, dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset, dtype)
+
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, attention_impl):
+        cfg, num_tokens = self.cfg, x.shape[0]
+        q = self.q_proj(x).reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pages, v_pages = write_kv(*kv, k, v, md.slot_mapping)
+        out = paged_attention(
+            q, k_pages, v_pages, md.block_tables, md.context_lens, md.query_start_loc,
+            decode=md.decode, scale=cfg.query_scale, soft_cap=cfg.attn_logit_softcap, impl=attention_impl)
+        return self.o_proj(out.reshape(num_tokens, -1)), (k_pages, v_pages)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(h, i, cfg.mlp_bias, dtype, rngs)
+        self.up_proj = _linear(h, i, cfg.mlp_bias, dtype, rngs)
+        self.down_proj = _linear(i, h, cfg.mlp_bias, dtype, rngs)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
+
+    def __call__(self, x):
+        gate = self.gate_proj(x)
+        gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, cos, sin, kv, md, attention_impl):
+        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, attention_impl)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                                      embedding_init=_INIT, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+
+    def __call__(self, kv_cache: KVCache, token_ids, positions, md: AttentionMetadata, logits_indices,
+                 attention_impl=None):
+        """token_ids, positions [T] -> (float32 logits [len(logits_indices), vocab], updated cache)."""
+        cfg = self.cfg
+        x = self.embed_tokens(token_ids)
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+        cos, sin = rope_cos_sin(jnp.asarray(cfg.rope_inv_freq()), positions, x.dtype)
+        new_cache = []
+        for layer, kv in zip(self.layers, kv_cache):
+            x, kv = layer(x, cos, sin, kv, md, attention_impl)
+            new_cache.append(kv)
+        x = self.norm(x[logits_indices])  # only the rows we sample from (RMSNorm is per token)
+        if cfg.tie_word_embeddings:
+            logits = self.embed_tokens.attend(x)
+        else:
+            logits = self.lm_head(x)
+        logits = logits.astype(jnp.float32)
+        if cfg.final_logit_softcap:
+            logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+        return logits, new_cache
+
+
+def forward(graphdef, state, kv_cache, token_ids, positions, md, logits_indices, attention_impl=None):
+    """The pure function the engine jits: the split model state in, logits and the new cache out."""
+    model = nnx.merge(graphdef, state)
+    return model(kv_cache, token_ids, positions, md, logits_indices, attention_impl)

@@ -1,0 +1,88 @@
+"""Plain-jnp paged attention: the CPU default and the oracle the kernels are tested against.
+
+Layouts (shared with the Pallas kernels):
+  q            [T, num_q_heads, head_dim]        one row per query token
+  k_pages      [num_blocks, block_size, num_kv_heads, head_dim]   (v_pages the same)
+  block_tables [S, W] int32   page ids of each sequence, in order; unused entries may hold anything
+  context_lens [S] int32      tokens of each sequence in the cache, this step's included; 0 = padding row
+  query_start_loc [S + 1] int32  (prefill) sequence s owns query rows [qsl[s], qsl[s+1])
+
+A query's absolute position is context_len - query_len + its index in the chunk; it attends to
+keys at positions <= its own (causal). Rows that attend to nothing (padding) come out as zeros.
+Softmax runs in float32; the output has q's dtype.
+"""
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30  # finite, so fully masked rows give exp() == 0 instead of NaN
+
+
+def _gather_pages(pages, block_table):
+    """[num_blocks, bs, H, D] gathered through one table row -> [W * bs, H, D]."""
+    gathered = pages[block_table]
+    return gathered.reshape(-1, *pages.shape[2:])
+
+
+def _attend(q, k, v, key_mask, scale, soft_cap):
+    """q [Q, Hq, D], k/v [L, Hkv, D], key_mask [Q, L] -> [Q, Hq, D] (float32)."""
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_q_heads // num_kv_heads
+    qg = q.astype(jnp.float32).reshape(q.shape[0], num_kv_heads, group, q.shape[2])
+    scores = jnp.einsum("qhgd,lhd->hgql", qg, k.astype(jnp.float32)) * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(key_mask[None, None], scores, _MASKED)
+    row_max = scores.max(axis=-1, keepdims=True)
+    probs = jnp.where(key_mask[None, None], jnp.exp(scores - row_max), 0.0)
+    denom = probs.sum(axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom == 0.0, 1.0, denom)
+    out = jnp.einsum("hgql,lhd->qhgd", probs, v.astype(jnp.float32))
+    return out.reshape(q.shape[0], num_q_heads, q.shape[2])
+
+
+def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, context_lens, *, scale, soft_cap=None):
+    """One query token per sequence: q [S, Hq, D] -> [S, Hq, D]."""
+
+    def one_sequence(q_s, table, ctx_len):
+        k = _gather_pages(k_pages, table)
+        v = _gather_pages(v_pages, table)
+        key_mask = (jnp.arange(k.shape[0]) < ctx_len)[None, :]
+        return _attend(q_s[None], k, v, key_mask, scale, soft_cap)[0]
+
+    out = jax.vmap(one_sequence)(q, block_tables, context_lens)
+    return out.astype(q.dtype)
+
+
+def paged_prefill_attention_ref(
+    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale, soft_cap=None
+):
+    """Flat query tokens of several sequences: q [T, Hq, D] -> [T, Hq, D].
+
+    Scans the sequences in order; each takes a window of T rows starting at its first query
+    (rows past its own chunk are masked and rewritten by the next sequence), so memory stays
+    at one sequence's [T, context] scores.
+    """
+    num_tokens = q.shape[0]
+    q_padded = jnp.concatenate([q, jnp.zeros_like(q)], axis=0)
+    out0 = jnp.zeros((2 * num_tokens, *q.shape[1:]), jnp.float32)
+    rows = jnp.arange(num_tokens)
+
+    def one_sequence(out, xs):
+        table, ctx_len, start, end = xs
+        q_len = end - start
+        q_s = jax.lax.dynamic_slice_in_dim(q_padded, start, num_tokens)
+        k = _gather_pages(k_pages, table)
+        v = _gather_pages(v_pages, table)
+        q_pos = ctx_len - q_len + rows  # absolute position of each window row
+        k_pos = jnp.arange(k.shape[0])
+        key_mask = (k_pos[None, :] <= q_pos[:, None]) & (rows < q_len)[:, None]
+        o = _attend(q_s, k, v, key_mask, scale, soft_cap)
+        # Only this sequence's rows: leave rows beyond the chunk as they were.
+        current = jax.lax.dynamic_slice_in_dim(out, start, num_tokens)
+        o = jnp.where((rows < q_len)[:, None, None], o, current)
+        return jax.lax.dynamic_update_slice_in_dim(out, o, start, axis=0), None
+
+    xs = (block_tables, context_lens, query_start_loc[:-1], query_start_loc[1:])
+    out, _ = jax.lax.scan(one_sequence, out0, xs)
+    return out[:num_tokens].astype(q.dtype)

@@ -1,0 +1,126 @@
+"""Small random Hugging Face checkpoints of every architecture Ferry serves, and a paged greedy driver.
+
+The reference is transformers (PyTorch, CPU, float32). Models are built from a seeded config and
+written with `save_pretrained`, exactly as a user's checkpoint directory would look.
+"""
+
+import dataclasses
+
+import numpy as np
+import torch
+import transformers
+
+from engine.packing import SeqSlice, StepLayout, bucket, pack
+from engine.step import model_step
+from models.paged import init_kv_cache
+
+_COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               initializer_range=0.25, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# name -> (config class, overrides). Each exercises something the others do not.
+ARCHS = {
+    "llama2": (transformers.LlamaConfig, dict(num_key_value_heads=4)),  # MHA, untied
+    "llama3": (transformers.LlamaConfig, dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),  # q/k/v bias, tied
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),  # q/k norm, head_dim != hidden / heads
+    "gemma": (transformers.GemmaConfig, dict(num_key_value_heads=1, head_dim=32)),  # MQA, GeGLU, (1+w) norm
+}
+
+
+def make_hf_model(arch: str, out_dir, seed: int = 0, dtype=torch.float32, **overrides):
+    """Build a seeded random model of `arch`, save it to `out_dir`, and return the torch model."""
+    config_cls, arch_overrides = ARCHS[arch]
+    config = config_cls(**{**_COMMON, **arch_overrides, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    if arch == "gemma":  # its norms initialise to zero (scale 1 + w); give them something to do
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.2)
+    model.generation_config.eos_token_id = None  # greedy runs the full length
+    model.save_pretrained(out_dir)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], num_new: int):
+    """(tokens, per-step logits [num_new, vocab]) from transformers' own generate."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, torch.stack(out.logits, dim=1)[0].float().numpy()
+
+
+def hf_logits(model, prompt: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().numpy()
+
+
+@dataclasses.dataclass
+class PagedRun:
+    prompt_logits: list[np.ndarray]  # per prompt [len(prompt), vocab]
+    tokens: list[list[int]]          # greedy continuation per prompt
+    step_logits: list[np.ndarray]    # per prompt [num_new, vocab]: the logits each token was taken from
+
+
+def paged_greedy(loaded, prompts, num_new, *, block_size=8, split=None, attention_impl=None, kv_dtype=None):
+    """Prefill all prompts in one batched call (or two: the first `split` tokens, then the rest),
+    then decode them together one token per step, all through the paged cache."""
+    cfg = loaded.cfg
+    max_len = max(len(p) for p in prompts) + num_new
+    per_seq = -(-max_len // block_size)
+    cache = init_kv_cache(cfg.num_layers, 1 + per_seq * len(prompts), block_size, cfg.num_kv_heads,
+                          cfg.head_dim, kv_dtype or loaded.dtype)
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(prompts))]
+    rng = np.random.default_rng(0)
+    for t in tables:  # pages need not be contiguous or ordered
+        rng.shuffle(t)
+    num_seqs = bucket(len(prompts))
+    bounds = [(0, split), (split, None)] if split else [(0, None)]
+    prompt_logits = [[] for _ in prompts]
+    for lo, hi in bounds:
+        seqs = [SeqSlice(p[lo:hi], lo, t) for p, t in zip(prompts, tables)]
+        rows = sum(len(s.token_ids) for s in seqs)
+        layout = StepLayout(bucket(rows, 16), num_seqs, per_seq, bucket(rows, 16), decode=False)
+        logits, cache = model_step(loaded.graphdef, loaded.state, cache,
+                                   pack(seqs, layout, block_size, all_logits=True), layout, attention_impl)
+        logits, row = np.asarray(logits), 0
+        for i, s in enumerate(seqs):
+            prompt_logits[i].append(logits[row:row + len(s.token_ids)])
+            row += len(s.token_ids)
+    prompt_logits = [np.concatenate(chunks) for chunks in prompt_logits]
+    tokens = [[int(l[-1].argmax())] for l in prompt_logits]
+    step_logits = [[l[-1]] for l in prompt_logits]
+    layout = StepLayout(num_seqs, num_seqs, per_seq, num_seqs, decode=True)
+    for _ in range(num_new - 1):
+        seqs = [SeqSlice([tok[-1]], len(p) + len(tok) - 1, t) for p, tok, t in zip(prompts, tokens, tables)]
+        logits, cache = model_step(loaded.graphdef, loaded.state, cache, pack(seqs, layout, block_size),
+                                   layout, attention_impl)
+        logits = np.asarray(logits)
+        for i in range(len(prompts)):
+            tokens[i].append(int(logits[i].argmax()))
+            step_logits[i].append(logits[i])
+    return PagedRun(prompt_logits, tokens, [np.stack(s) for s in step_logits])
+
+
+def rel_err(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
+
+
+def check_greedy_match(ours: list[int], ref: list[int], ref_logits: np.ndarray, tie_tol=1e-4) -> str | None:
+    """Token-identical, or diverging only where the reference's top two logits tie (within tie_tol).
+    Returns a report of an accepted tie, None if identical; raises AssertionError otherwise."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            top2 = np.sort(ref_logits[i])[-2:]
+            gap = float(top2[1] - top2[0])
+            assert gap <= tie_tol, (f"greedy divergence at step {i}: ferry {a}, transformers {b}, reference "
+                                    f"top-two gap {gap:.3g} > {tie_tol} (not a tie)\nours {ours}\nref  {ref}")
+            return f"tie at step {i}: ferry {a} vs transformers {b} (reference top-two gap {gap:.2e})"
+    assert len(ours) == len(ref)
+    return None
