@@ -1,0 +1,47 @@
+"""The paged step writes K/V in place into a donated cache; padding writes only into the null block."""
+
+import jax
+import numpy as np
+
+from engine.packing import SeqSlice, StepLayout, pack
+from engine.step import model_step
+from models.config import ModelConfig
+from models.loading import random_model
+from models.paged import init_kv_cache
+
+CFG = ModelConfig(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+BLOCK = 4
+
+
+def _step(model, cache, seqs, layout):
+    return model_step(model.graphdef, model.state, cache, pack(seqs, layout, BLOCK), layout)
+
+
+def test_cache_update_reuses_the_donated_buffer():
+    model = random_model(CFG)
+    cache = init_kv_cache(CFG.num_layers, 16, BLOCK, CFG.num_kv_heads, CFG.head_dim, np.float32)
+    pointers = [(k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) for k, v in cache]
+    layout = StepLayout(16, 2, 4, 2, decode=False)
+    _, new_cache = _step(model, cache, [SeqSlice([5, 6, 7], 0, [3, 9])], layout)
+    assert all(k.is_deleted() and v.is_deleted() for k, v in cache), "the old cache must be donated"
+    assert [(k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) for k, v in new_cache] == pointers
+
+
+def test_padding_tokens_change_nothing_outside_the_null_block():
+    rng = np.random.default_rng()
+    model = random_model(CFG, seed=int(rng.integers(1 << 30)))
+    shape = (16, BLOCK, CFG.num_kv_heads, CFG.head_dim)
+    cache = [(jax.numpy.asarray(rng.normal(size=shape), np.float32),
+              jax.numpy.asarray(rng.normal(size=shape), np.float32)) for _ in range(CFG.num_layers)]
+    before = [(np.asarray(k), np.asarray(v)) for k, v in cache]
+    # Two real sequences (5 and 2 tokens) in a 16-row step with 4 sequence rows: 9 padding tokens.
+    seqs = [SeqSlice(rng.integers(0, 128, 5).tolist(), 0, [7, 2]), SeqSlice([11, 12], 0, [12])]
+    written = {(7, i) for i in range(4)} | {(2, 0), (12, 0), (12, 1)}
+    _, cache = _step(model, cache, seqs, StepLayout(16, 4, 2, 4, decode=False))
+    for (k0, v0), (k1, v1) in zip(before, cache):
+        for old, new in ((k0, np.asarray(k1)), (v0, np.asarray(v1))):
+            for block in range(1, 16):
+                for slot in range(BLOCK):
+                    same = np.array_equal(old[block, slot], new[block, slot])
+                    assert same != ((block, slot) in written), (block, slot)
