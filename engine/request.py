@@ -1,0 +1,82 @@
+"""A generation request and the lifecycle state the scheduler keeps on it."""
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()   # queued, holds no blocks: new, or preempted by recompute
+    RUNNING = enum.auto()   # holds device blocks: prefilling or decoding
+    SWAPPED = enum.auto()   # preempted by swap: its K/V sits in host blocks
+    FINISHED = enum.auto()
+
+
+# eq=False: requests are compared (and hashed) by identity, so list.remove and sets are exact and cheap.
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    priority: int = 0                       # lower value = more important
+    eos_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    arrival: int = -1                       # monotonic, set by Scheduler.add
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0            # tokens whose K/V are in the device cache
+    block_ids: list[int] = field(default_factory=list)       # device blocks, append-only while running
+    host_block_ids: list[int] = field(default_factory=list)  # host blocks while swapped
+    finish_reason: str | None = None        # "stop", "length", "abort"
+    num_preemptions: int = 0
+    # Extension point for stop strings: called with the request after each appended token, once min_tokens
+    # is met; returns a finish reason (e.g. "stop") or None. The detokenizing stop-string matcher plugs in here.
+    stop_checker: Callable[["Request"], str | None] | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens whose K/V must be cached before this request can decode: all but the last sampled token,
+        which is the next decode input. A recompute-preempted request thus re-prefills prompt + outputs[:-1]
+        and then decodes on, token-identical to a run that was never preempted."""
+        return self.num_tokens - 1 if self.output_token_ids else self.num_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.prefill_target
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def check_stop(self, token: int, max_model_len: int) -> str | None:
+        """Finish reason after `token` was appended to the outputs, or None to go on."""
+        if len(self.output_token_ids) >= self.min_tokens:
+            if token in self.stop_token_ids or (token in self.eos_token_ids and not self.ignore_eos):
+                return "stop"
+            if self.stop_checker is not None and (reason := self.stop_checker(self)) is not None:
+                return reason
+        if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def finish(self, reason: str) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason

@@ -1,0 +1,234 @@
+"""ModelRunner: executes a StepPlan on the device.
+
+The scheduler decides; the runner does. Per plan it (1) copies swapped-out blocks to host memory,
+(2) copies swapped-in blocks back, (3) runs the prefill chunks, (4) runs the decode batch, each a
+jitted call over bucketed shapes with the cache donated, and returns one sampled token per request
+that samples this step. `warmup()` compiles every bucket up front; after it, `compile_guard` makes
+any new compilation an error (the tpu-inference guard).
+"""
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.packing import SeqSlice, StepLayout, bucket, pack
+from engine.step import greedy_step
+from models.loading import LoadedModel
+from models.paged import NULL_BLOCK, init_kv_cache
+
+log = logging.getLogger("ferry")
+
+MIN_PREFILL_TOKENS = 16
+
+
+def powers_of_two(lo: int, hi: int) -> list[int]:
+    """lo, 2lo, ... up to the first power of two >= hi."""
+    out, n = [], bucket(lo)
+    while True:
+        out.append(n)
+        if n >= hi:
+            return out
+        n *= 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Buckets:
+    decode_batch: tuple[int, ...]     # decode rows
+    prefill_tokens: tuple[int, ...]   # flat prefill rows
+    prefill_seqs: int                 # sequences per prefill call (more are split across calls)
+    widths: tuple[int, ...]           # block-table widths
+    swap_blocks: tuple[int, ...]      # blocks per swap copy
+
+    @classmethod
+    def make(cls, max_num_seqs, max_num_batched_tokens, max_blocks_per_seq, max_prefill_seqs=8):
+        widths = tuple(powers_of_two(1, max_blocks_per_seq))
+        return cls(tuple(powers_of_two(1, max_num_seqs)),
+                   tuple(powers_of_two(MIN_PREFILL_TOKENS, max_num_batched_tokens)),
+                   bucket(min(max_num_seqs, max_prefill_seqs)), widths, widths)
+
+    def pick(self, sizes, n):
+        for size in sizes:
+            if size >= n:
+                return size
+        raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+
+
+# ------------------------------------------------------------------ swap copies
+
+@jax.jit
+def _gather_blocks(kv_cache, block_ids):
+    return [(k[block_ids], v[block_ids]) for k, v in kv_cache]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_blocks(kv_cache, block_ids, blocks):
+    # Padded entries of block_ids are the null block: whatever they carry lands there, harmlessly.
+    return [(k.at[block_ids].set(bk), v.at[block_ids].set(bv)) for (k, v), (bk, bv) in zip(kv_cache, blocks)]
+
+
+def host_memory_sharding():
+    """Pinned host memory where the backend has it (GPU, TPU, recent CPU), else None (numpy)."""
+    device = jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" in kinds:
+        return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    return None
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, *, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, kv_dtype=None, attention_impl=None):
+        cfg = model.cfg
+        self.model, self.block_size, self.attention_impl = model, block_size, attention_impl
+        self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
+        self.device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        # Committed to the device from the start: every later cache (step or swap output) is too, so
+        # the jitted step sees one input placement and compiles each shape once.
+        self.kv_cache = jax.device_put(init_kv_cache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+                                                     cfg.head_dim, self.kv_dtype), self.device_sharding)
+        self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
+        self.host_sharding = host_memory_sharding()
+        self.swapped: dict[tuple[int, ...], list] = {}  # host block ids -> the blocks' contents in host memory
+        self.timings = {"device_s": 0.0, "pack_s": 0.0}
+
+    # -------------------------------------------------------------- plan execution
+
+    def execute(self, plan) -> dict[str, int]:
+        """Run one StepPlan; returns {request_id: sampled token} for every request that samples."""
+        for device_ids, host_ids in plan.swap_out:  # first: those device blocks may be reused below
+            self._swap_out(device_ids, host_ids)
+        for host_ids, device_ids in plan.swap_in:
+            self._swap_in(host_ids, device_ids)
+        sampled = {}
+        chunks = plan.prefills
+        for i in range(0, len(chunks), self.buckets.prefill_seqs):
+            group = chunks[i:i + self.buckets.prefill_seqs]
+            seqs = [SeqSlice(c.request.all_token_ids[c.start:c.start + c.length], c.start, c.request.block_ids)
+                    for c in group]
+            tokens = self._run(seqs, decode=False)
+            sampled.update((c.request.request_id, int(t)) for c, t in zip(group, tokens) if c.samples)
+        if plan.decodes:
+            seqs = [SeqSlice(r.all_token_ids[-1:], r.num_tokens - 1, r.block_ids) for r in plan.decodes]
+            tokens = self._run(seqs, decode=True)
+            sampled.update((r.request_id, int(t)) for r, t in zip(plan.decodes, tokens))
+        return sampled
+
+    def layout_for(self, seqs, decode: bool) -> StepLayout:
+        b = self.buckets
+        width = b.pick(b.widths, max(len(s.block_ids) for s in seqs))
+        if decode:
+            rows = b.pick(b.decode_batch, len(seqs))
+            return StepLayout(rows, rows, width, rows, decode=True)
+        tokens = b.pick(b.prefill_tokens, sum(len(s.token_ids) for s in seqs))
+        return StepLayout(tokens, b.prefill_seqs, width, b.prefill_seqs, decode=False)
+
+    def _run(self, seqs, decode: bool) -> np.ndarray:
+        return self._call(seqs, self.layout_for(seqs, decode))[:len(seqs)]
+
+    def _call(self, seqs, layout: StepLayout) -> np.ndarray:
+        t0 = time.perf_counter()
+        buf = pack(seqs, layout, self.block_size)
+        t1 = time.perf_counter()
+        m = self.model
+        tokens, self.kv_cache = greedy_step(m.graphdef, m.state, self.kv_cache, buf, layout, self.attention_impl)
+        tokens = np.asarray(tokens)  # waits for the device
+        self.timings["pack_s"] += t1 - t0
+        self.timings["device_s"] += time.perf_counter() - t1
+        return tokens
+
+    def _padded_ids(self, ids) -> np.ndarray:
+        out = np.full(self.buckets.pick(self.buckets.swap_blocks, len(ids)), NULL_BLOCK, np.int32)
+        out[:len(ids)] = ids
+        return out
+
+    def _swap_out(self, device_ids, host_ids):
+        blocks = _gather_blocks(self.kv_cache, self._padded_ids(device_ids))
+        if self.host_sharding is not None:
+            blocks = jax.device_put(blocks, self.host_sharding)
+        else:
+            blocks = jax.tree.map(np.asarray, blocks)
+        self.swapped[tuple(host_ids)] = blocks
+
+    def _swap_in(self, host_ids, device_ids):
+        blocks = self.swapped.pop(tuple(host_ids))
+        blocks = jax.device_put(blocks, self.device_sharding)
+        self.kv_cache = _scatter_blocks(self.kv_cache, self._padded_ids(device_ids), blocks)
+
+    def drop_swapped(self, host_ids):
+        """A swapped request was aborted: forget its host copy."""
+        self.swapped.pop(tuple(host_ids), None)
+
+    # -------------------------------------------------------------- warm-up
+
+    def warmup(self) -> float:
+        """Compile every bucket now (decode batch x width, prefill tokens x width, swap sizes)."""
+        t0 = time.perf_counter()
+        b = self.buckets
+        layouts = [StepLayout(rows, rows, width, rows, decode=True) for width in b.widths for rows in b.decode_batch]
+        layouts += [StepLayout(tokens, b.prefill_seqs, width, b.prefill_seqs, decode=False)
+                    for width in b.widths for tokens in b.prefill_tokens]
+        for layout in layouts:  # one real-looking row is enough: the shapes are the layout's
+            self._call([SeqSlice([0], 0, [NULL_BLOCK] * layout.width)], layout)
+        for n in b.swap_blocks:
+            host = tuple(range(-n, 0))  # placeholder ids that no real swap uses
+            self._swap_out([NULL_BLOCK] * n, host)
+            self._swap_in(host, [NULL_BLOCK] * n)
+        self.timings = {"device_s": 0.0, "pack_s": 0.0}
+        elapsed = time.perf_counter() - t0
+        log.info("warm-up: %d step shapes and %d swap sizes in %.1f s", len(layouts), len(b.swap_blocks), elapsed)
+        return elapsed
+
+
+# ------------------------------------------------------------------ compile counting
+
+class CompileCounter:
+    """Counts XLA backend compilations through jax.monitoring (one event per compiled executable)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+    _registered = False
+    count = 0
+
+    @classmethod
+    def install(cls):
+        if not cls._registered:
+            def listener(event, duration, **kwargs):
+                if event == cls.EVENT:
+                    cls.count += 1
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._registered = True
+        return cls
+
+
+@contextlib.contextmanager
+def compile_guard(allowed: int = 0):
+    """Raise if more than `allowed` compilations happen inside the block."""
+    counter = CompileCounter.install()
+    start = counter.count
+    yield counter
+    new = counter.count - start
+    if new > allowed:
+        raise RuntimeError(f"{new} new XLA compilation(s) after warm-up; a shape escaped the buckets")
+
+
+def kv_bytes_per_block(cfg, block_size, dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def num_blocks_for_memory(cfg, block_size, dtype, memory_fraction: float, cap_blocks: int) -> int:
+    """KV blocks that fit in `memory_fraction` of the device's free memory (host RAM on CPU), at most
+    `cap_blocks` (more than every sequence at full length could use is waste)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    blocks = int(free * memory_fraction) // kv_bytes_per_block(cfg, block_size, dtype)
+    return max(2, min(blocks, cap_blocks))

@@ -1,0 +1,468 @@
+"""The continuous-batching scheduler: decides, each step, which requests prefill (in chunks) and decode,
+which get device blocks, and which are preempted. Host-side only; the runner executes its StepPlan.
+
+One step is five phases, in order:
+  reap     requests finished last step leave; their blocks go back to the pool
+  budget   free blocks minus what running decoders are already promised (and the watermark)
+  admit    continue chunked prefills, then swapped and waiting requests in (priority, arrival) order
+  preempt  only if demand exceeds the free blocks: evict least important, latest arrival first
+  decode   every running request past its prefill gets its slot and advances one token
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool, HostBlockPool
+from engine.request import Request, RequestStatus
+
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check(condition: bool, message: str) -> None:
+    # Explicit raise rather than `assert`: invariant checks must survive `python -O`.
+    if not condition:
+        raise AssertionError(message)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    num_blocks: int                     # device blocks, including the reserved null block 0
+    block_size: int
+    max_num_seqs: int                   # running requests (so also the decode batch) at most
+    max_num_batched_tokens: int         # tokens per step: one per decode, the rest for prefill chunks
+    max_model_len: int
+    chunk_size: int | None = None       # prefill chunk cap; None = as much as the token budget allows
+    watermark_blocks: int = 0           # kept free at admission as headroom for running decoders
+    preemption_mode: str = "recompute"  # "swap" | "recompute"
+    num_host_blocks: int = 0            # swap space
+    trace_history: int = 1000           # step traces kept in Scheduler.step_traces
+
+    def __post_init__(self):
+        positive = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks < 2:
+            raise ValueError("num_blocks must be >= 2: block 0 is the reserved null block")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running request must be able to decode every step.
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} < "
+                             f"max_num_seqs={self.max_num_seqs}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 or None, got {self.chunk_size}")
+        if self.watermark_blocks < 0 or self.num_host_blocks < 0:
+            raise ValueError("watermark_blocks and num_host_blocks must be >= 0")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    request: Request
+    start: int     # == request.num_computed_tokens when planned: first token index of this chunk
+    length: int
+    # The chunk reaches the end of the prefill target -> the runner samples a token from its last row.
+    # False for a recompute re-prefill: its next token is already known (its last output token).
+    samples: bool
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step: int
+    finished: list[Request] = field(default_factory=list)                     # reaped this step (freed)
+    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (device, host): copy FIRST
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)   # (host, device): copy next
+    preempted: list[Request] = field(default_factory=list)                    # recompute victims
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decodes: list[Request] = field(default_factory=list)  # input all_token_ids[-1] at position num_tokens-1
+    trace: list[tuple[str, dict]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decodes) + sum(c.length for c in self.prefills)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """An over-committed admission: its blocks are allocated once _preempt has freed enough."""
+    request: Request
+    num_blocks: int
+    chunk_length: int
+
+
+@dataclass(slots=True)
+class _StepState:
+    """Scratch shared by the phases of one schedule() call."""
+    plan: StepPlan
+    blocks_left: int = 0
+    tokens_left: int = 0
+    admitted: list[Request] = field(default_factory=list)  # joined the running set this step
+    pending: list[_Pending] = field(default_factory=list)
+    host_blocks_to_free: list[int] = field(default_factory=list)
+
+    def trace(self, phase: str, **info) -> None:
+        self.plan.trace.append((phase, info))
+
+
+def _order(request: Request) -> tuple[int, int]:
+    return request.priority, request.arrival
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.block_pool = BlockPool(config.num_blocks)
+        self.host_pool = HostBlockPool(config.num_host_blocks)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every request added and not yet aborted or reaped
+        self.num_preemptions = {"swap": 0, "recompute": 0}
+        self.num_swap_fallbacks = 0             # swap victims recomputed because the host pool was full
+        self.step_traces: deque[list[tuple[str, dict]]] = deque(maxlen=config.trace_history)
+        self._num_steps = 0
+        self._next_arrival = 0
+
+    # -------------------------------------------------------------- requests in and out
+
+    def add(self, request: Request) -> None:
+        c, rid, n = self.config, request.request_id, request.num_prompt_tokens
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r}: duplicate request id")
+        if n == 0:
+            raise ValueError(f"request {rid!r}: empty prompt")
+        if request.max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
+        if n > c.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens is longer than max_model_len={c.max_model_len}")
+        need = cdiv(min(n + request.max_tokens, c.max_model_len), c.block_size)
+        if need > self.block_pool.num_total:
+            raise ValueError(
+                f"request {rid!r} can never fit in the KV cache: {n} prompt + {request.max_tokens} max tokens "
+                f"(capped at max_model_len={c.max_model_len}) need {need} blocks of {c.block_size} tokens, "
+                f"but the cache has {self.block_pool.num_total} usable blocks")
+        request.arrival = self._next_arrival
+        self._next_arrival += 1
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request in any state, freeing its device and host blocks now. None if unknown or already
+        finished (a finished request leaves through the next step's reap). The request keeps its (now freed)
+        block_ids / host_block_ids: a plan already handed out may still run it harmlessly (nothing reuses
+        the blocks before the next schedule()), and the engine drops the runner's copies of its host blocks."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.block_pool.free(request.block_ids)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.host_pool.free(request.host_block_ids)
+        else:
+            self.waiting.remove(request)
+        request.finish("abort")
+        del self.requests[request_id]
+        return request
+
+    def has_unfinished(self) -> bool:
+        # Finished-but-unreaped requests count: the next schedule() reports them in plan.finished.
+        return bool(self.waiting or self.running or self.swapped)
+
+    # -------------------------------------------------------------- one step
+
+    def schedule(self) -> StepPlan:
+        self._num_steps += 1
+        step = _StepState(StepPlan(step=self._num_steps))
+        self._reap(step)
+        budget = self._budget(step)
+        self._admit(step, budget)
+        self._preempt(step)
+        self._decode(step)
+        self.step_traces.append(step.plan.trace)
+        return step.plan
+
+    def _reap(self, step: _StepState) -> None:
+        """Requests finished by the last postprocess leave; their blocks return before _budget counts."""
+        free_before = self.block_pool.num_free
+        finished = [r for r in self.running if r.is_finished]
+        self.running = [r for r in self.running if not r.is_finished]
+        for request in finished:
+            self.block_pool.free(request.block_ids)
+            request.block_ids = []
+            del self.requests[request.request_id]
+        step.plan.finished = finished
+        step.trace("reap", finished=[r.request_id for r in finished], free_before=free_before,
+                   freed_blocks=self.block_pool.num_free - free_before, free_after=self.block_pool.num_free)
+
+    def _budget(self, step: _StepState) -> int:
+        """Blocks admission may hand out: free now (reaped blocks included) minus running decoders' new
+        slots and the watermark. Negative means the decoders alone are short."""
+        free = self.block_pool.num_free
+        promised = sum(self._needs_decode_block(r) for r in self._decoders())
+        # The watermark is headroom for running decoders; with none running it would only block a big prompt.
+        watermark = self.config.watermark_blocks if self.running else 0
+        budget = free - promised - watermark
+        step.trace("budget", free=free, promised=promised, watermark=watermark, budget=budget)
+        return budget
+
+    def _admit(self, step: _StepState, budget: int) -> None:
+        """Hand out tokens and blocks: ongoing chunked prefills, then swapped, then waiting requests in
+        (priority, arrival) order, stopping at the first that doesn't fit so long requests aren't starved."""
+        step.blocks_left = budget
+        step.tokens_left = self.config.max_num_batched_tokens - len(self._decoders())
+        continued = []
+        for request in sorted((r for r in self.running if r.in_prefill), key=_order):
+            if step.tokens_left == 0:
+                break
+            step.plan.prefills.append(self._next_chunk(request, step))
+            continued.append(request.request_id)
+        stopped_at = None
+        for request in self._admission_queue():
+            if not self._try_admit(request, step):
+                stopped_at = request.request_id
+                break
+        step.trace("admit", continued=continued, admitted=[r.request_id for r in step.admitted],
+                   pending=[p.request.request_id for p in step.pending], stopped_at=stopped_at,
+                   blocks_left=step.blocks_left, tokens_left=step.tokens_left)
+
+    def _preempt(self, step: _StepState) -> None:
+        """Evict only when demand (new decode slots + over-committed admissions) exceeds the free blocks;
+        then give the pending admissions their blocks."""
+        demand_before = self._block_demand(step)
+        victims = []
+        while self.block_pool.num_free < self._block_demand(step):
+            victim = self._pick_victim(step)
+            if victim is None:  # admission only over-commits what evicting can cover
+                raise RuntimeError(f"scheduler bug: {self.block_pool.num_free} free blocks, demand "
+                                   f"{self._block_demand(step)}, and no request left to preempt")
+            victims.append((victim.request_id, self._evict(victim, step)))
+        for pending in step.pending:
+            self._start(pending.request, pending.chunk_length, step)
+        # Swapped-in requests' host blocks are released only now: the runner copies swap-outs first, so a
+        # victim must never be given a host block that a swap-in of this same step still has to read.
+        self.host_pool.free(step.host_blocks_to_free)
+        step.trace("preempt", victims=victims, demand=demand_before, free=self.block_pool.num_free)
+
+    def _decode(self, step: _StepState) -> None:
+        """Every running request past its prefill gets the slot for position num_tokens-1 and decodes."""
+        new_blocks = 0
+        for request in self._decoders():
+            if self._needs_decode_block(request):
+                request.block_ids.extend(self.block_pool.allocate(1))
+                new_blocks += 1
+            step.plan.decodes.append(request)
+        step.trace("decode", decodes=[r.request_id for r in step.plan.decodes], new_blocks=new_blocks,
+                   free=self.block_pool.num_free)
+
+    # -------------------------------------------------------------- results
+
+    def postprocess(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+        """Advance every planned request by what the runner computed; returns the requests finished now.
+        Their blocks stay until the next step's _reap, which counts them in that step's budget."""
+        finished = []
+        for chunk in plan.prefills:
+            request = chunk.request
+            if request.is_finished:  # aborted after schedule()
+                continue
+            if request.num_computed_tokens != chunk.start:
+                raise RuntimeError(f"request {request.request_id!r}: chunk starts at {chunk.start} but "
+                                   f"{request.num_computed_tokens} tokens are computed (plan applied twice?)")
+            request.num_computed_tokens += chunk.length
+            if chunk.samples:
+                self._append_token(request, sampled[request.request_id], finished)
+        for request in plan.decodes:
+            if request.is_finished:
+                continue
+            if request.num_computed_tokens != request.num_tokens - 1:
+                raise RuntimeError(f"request {request.request_id!r}: decoding with {request.num_computed_tokens}"
+                                   f" of {request.num_tokens} tokens computed (plan applied twice?)")
+            request.num_computed_tokens += 1
+            self._append_token(request, sampled[request.request_id], finished)
+        return finished
+
+    def _append_token(self, request: Request, token: int, finished: list[Request]) -> None:
+        request.output_token_ids.append(token)
+        reason = request.check_stop(token, self.config.max_model_len)
+        if reason is not None:
+            request.finish(reason)
+            finished.append(request)
+
+    # -------------------------------------------------------------- admission helpers
+
+    def _decoders(self) -> list[Request]:
+        return [r for r in self.running if not r.in_prefill]
+
+    def _needs_decode_block(self, request: Request) -> bool:
+        return cdiv(request.num_tokens, self.config.block_size) > len(request.block_ids)
+
+    def _admission_queue(self) -> list[Request]:
+        # Within a priority level swapped requests go first (and, not fitting, block waiting ones);
+        # a strictly more important waiting request is not held up by a less important swapped one.
+        return sorted(self.swapped + self.waiting,
+                      key=lambda r: (r.priority, r.status is not RequestStatus.SWAPPED, r.arrival))
+
+    def _blocks_to_admit(self, request: Request) -> int:
+        if request.status is RequestStatus.SWAPPED:
+            slot = cdiv(request.num_tokens, self.config.block_size) > len(request.host_block_ids)
+            return len(request.host_block_ids) + (slot and not request.in_prefill)
+        # The whole prefill target upfront, so a started prefill never waits for blocks.
+        return cdiv(request.prefill_target, self.config.block_size)
+
+    def _try_admit(self, request: Request, step: _StepState) -> bool:
+        if len(self.running) + len(step.pending) >= self.config.max_num_seqs or step.tokens_left == 0:
+            return False
+        need = self._blocks_to_admit(request)
+        fits = need <= step.blocks_left
+        if not fits and need > step.blocks_left + self._reclaimable_blocks(request, step):
+            return False
+        step.blocks_left -= need
+        chunk_length = self._chunk_length(request, step.tokens_left) if request.in_prefill else 0
+        step.tokens_left -= chunk_length if request.in_prefill else 1
+        if fits:
+            self._start(request, chunk_length, step)
+        else:
+            step.pending.append(_Pending(request, need, chunk_length))
+        return True
+
+    def _reclaimable_blocks(self, request: Request, step: _StepState) -> int:
+        """Over-commit: blocks held by running requests less important than `request` that _preempt may
+        evict for it (requests admitted this step are never evicted)."""
+        return sum(len(r.block_ids) for r in self.running
+                   if r.priority > request.priority and r not in step.admitted)
+
+    def _start(self, request: Request, chunk_length: int, step: _StepState) -> None:
+        """Give an admitted request its device blocks and put it in the running set."""
+        if request.status is RequestStatus.SWAPPED:
+            request.block_ids = self.block_pool.allocate(len(request.host_block_ids))
+            step.plan.swap_in.append((request.host_block_ids, list(request.block_ids)))
+            step.host_blocks_to_free.extend(request.host_block_ids)
+            request.host_block_ids = []
+            self.swapped.remove(request)
+        else:
+            request.block_ids = self.block_pool.allocate(cdiv(request.prefill_target, self.config.block_size))
+            self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        step.admitted.append(request)
+        if request.in_prefill:
+            step.plan.prefills.append(self._chunk(request, chunk_length))
+
+    def _chunk_length(self, request: Request, tokens_left: int) -> int:
+        chunk_size = self.config.chunk_size or tokens_left
+        return min(request.prefill_target - request.num_computed_tokens, chunk_size, tokens_left)
+
+    def _chunk(self, request: Request, length: int) -> PrefillChunk:
+        start = request.num_computed_tokens
+        samples = start + length == request.prefill_target and not request.output_token_ids
+        return PrefillChunk(request, start, length, samples)
+
+    def _next_chunk(self, request: Request, step: _StepState) -> PrefillChunk:
+        length = self._chunk_length(request, step.tokens_left)
+        step.tokens_left -= length
+        return self._chunk(request, length)
+
+    # -------------------------------------------------------------- preemption helpers
+
+    def _block_demand(self, step: _StepState) -> int:
+        return sum(self._needs_decode_block(r) for r in self._decoders()) + sum(p.num_blocks for p in step.pending)
+
+    def _pick_victim(self, step: _StepState) -> Request | None:
+        """Least important, then latest arrival; never one admitted this step, and never one at least as
+        important as a pending admission (which is what admission counted on)."""
+        floor = max((p.request.priority for p in step.pending), default=None)
+        candidates = [r for r in self.running
+                      if r not in step.admitted and (floor is None or r.priority > floor)]
+        return max(candidates, key=_order, default=None)
+
+    def _evict(self, victim: Request, step: _StepState) -> str:
+        self.running.remove(victim)
+        step.plan.prefills = [c for c in step.plan.prefills if c.request is not victim]  # its chunk is off
+        victim.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self._swap_out(victim, step):
+            mode = "swap"
+        else:
+            mode = "recompute"
+            self.num_swap_fallbacks += self.config.preemption_mode == "swap"
+            self._recompute(victim, step)
+        self.num_preemptions[mode] += 1
+        return mode
+
+    def _swap_out(self, victim: Request, step: _StepState) -> bool:
+        """Move the victim's K/V to host blocks; False (nothing changed) if the host pool is too full."""
+        if self.host_pool.num_free < len(victim.block_ids):
+            return False
+        victim.host_block_ids = self.host_pool.allocate(len(victim.block_ids))
+        step.plan.swap_out.append((list(victim.block_ids), list(victim.host_block_ids)))
+        self.block_pool.free(victim.block_ids)
+        victim.block_ids = []
+        victim.status = RequestStatus.SWAPPED
+        self.swapped.append(victim)
+        return True
+
+    def _recompute(self, victim: Request, step: _StepState) -> None:
+        """Drop the victim's K/V; it re-queues with its outputs and re-prefills them later."""
+        self.block_pool.free(victim.block_ids)
+        victim.block_ids = []
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        self.waiting.append(victim)
+        step.plan.preempted.append(victim)
+
+    # -------------------------------------------------------------- observability
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.block_pool.usage
+
+    def stats(self) -> dict:
+        return {"step": self._num_steps, "num_running": self.num_running, "num_waiting": self.num_waiting,
+                "num_swapped": self.num_swapped, "preemptions": dict(self.num_preemptions),
+                "swap_fallbacks": self.num_swap_fallbacks, "kv_usage": self.kv_usage,
+                "host_usage": self.host_pool.usage}
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless pools, queues and requests agree. Meant between steps (after
+        postprocess), e.g. after every step in tests."""
+        self.block_pool.check_invariants({r.request_id: r.block_ids for r in self.running})
+        self.host_pool.check_invariants({r.request_id: r.host_block_ids for r in self.swapped})
+        queues = ((self.waiting, RequestStatus.WAITING), (self.running, RequestStatus.RUNNING),
+                  (self.swapped, RequestStatus.SWAPPED))
+        seen = set()
+        for queue, status in queues:
+            for r in queue:
+                _check(r not in seen, f"{r.request_id} queued twice")
+                seen.add(r)
+                _check(self.requests.get(r.request_id) is r, f"{r.request_id} queued but not tracked")
+                _check(r.status is status or (status is RequestStatus.RUNNING and r.is_finished),
+                       f"{r.request_id} is {r.status} in the {status.name} queue")
+                expected = cdiv(r.prefill_target, self.config.block_size)
+                if status is RequestStatus.RUNNING:
+                    _check(len(r.block_ids) == expected and not r.host_block_ids,
+                           f"{r.request_id}: {len(r.block_ids)} device blocks, expected {expected}")
+                elif status is RequestStatus.SWAPPED:
+                    _check(len(r.host_block_ids) == expected and not r.block_ids,
+                           f"{r.request_id}: {len(r.host_block_ids)} host blocks, expected {expected}")
+                else:
+                    _check(not r.block_ids and not r.host_block_ids and r.num_computed_tokens == 0,
+                           f"{r.request_id}: waiting but holds blocks or computed tokens")
+        _check(len(seen) == len(self.requests), "tracked requests missing from the queues")
+        _check(len(self.running) <= self.config.max_num_seqs, "more running requests than max_num_seqs")

@@ -1,0 +1,73 @@
+"""The engine end to end on a real (small, random) checkpoint: scheduler + runner + jitted steps."""
+
+import numpy as np
+import pytest
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.runner import CompileCounter
+from hf_models import check_greedy_match, hf_greedy, make_hf_model
+from models.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama")
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    torch_model = make_hf_model("llama3", out, seed=seed)
+    return seed, torch_model, load_model(str(out))
+
+
+def _workload(seed, vocab, n=10):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(3, vocab, size=int(rng.integers(4, 40))).tolist(), int(rng.integers(16, 40)))
+            for _ in range(n)]
+
+
+def _run(loaded, workload, **config):
+    engine = LLMEngine(loaded, EngineConfig(block_size=8, max_num_seqs=8, **config))
+    requests = [engine.add_request(prompt, max_tokens, ignore_eos=True) for prompt, max_tokens in workload]
+    engine.run_to_completion(max_steps=2000)
+    engine.scheduler.schedule()  # one more step's reap returns the last finished requests' blocks
+    assert engine.scheduler.block_pool.num_used == 0
+    return [r.output_token_ids for r in requests], engine.scheduler
+
+
+def test_greedy_outputs_identical_under_preemption_and_chunking(checkpoint):
+    """Ample cache, tiny cache (swap and recompute), chunk sizes 16, 64 and whole prompts: every run
+    gives transformers' greedy tokens (ties excepted, reported)."""
+    seed, torch_model, loaded = checkpoint
+    workload = _workload(seed, loaded.cfg.vocab_size)
+    runs = {
+        "ample": _run(loaded, workload, num_blocks=256, max_num_batched_tokens=512),
+        "swap": _run(loaded, workload, num_blocks=14, preemption_mode="swap", max_num_batched_tokens=512),
+        "recompute": _run(loaded, workload, num_blocks=14, preemption_mode="recompute", max_num_batched_tokens=512),
+        "chunk16": _run(loaded, workload, num_blocks=256, chunk_size=16, max_num_batched_tokens=64),
+        "chunk64": _run(loaded, workload, num_blocks=256, chunk_size=64, max_num_batched_tokens=128),
+    }
+    assert runs["swap"][1].stats()["preemptions"]["swap"] > 0
+    assert runs["recompute"][1].stats()["preemptions"]["recompute"] > 0
+    ties = []
+    for i, (prompt, max_tokens) in enumerate(workload):
+        ref, ref_logits = hf_greedy(torch_model, prompt, max_tokens)
+        for name, (outputs, _) in runs.items():
+            tie = check_greedy_match(outputs[i], ref, ref_logits)
+            if tie:
+                ties.append(f"{name} request {i}: {tie}")
+    if ties:
+        print(f"seed {seed}: accepted ties:", *ties, sep="\n  ")
+
+
+def test_no_compilation_after_warmup(checkpoint):
+    """200 requests of mixed prompt and output lengths after warmup(): zero new XLA compilations."""
+    seed, _, loaded = checkpoint
+    engine = LLMEngine(loaded, EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=128,
+                                            num_blocks=160, chunk_size=64, max_model_len=160))
+    engine.warmup()
+    counter = CompileCounter.install()
+    before = counter.count
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        prompt = rng.integers(3, loaded.cfg.vocab_size, size=int(rng.integers(1, 130))).tolist()
+        engine.add_request(prompt, int(rng.integers(1, 30)), ignore_eos=True, priority=int(rng.integers(0, 3)))
+    engine.run_to_completion(max_steps=5000)
+    assert counter.count - before == 0, f"{counter.count - before} compilations after warm-up"
