@@ -4,6 +4,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.sampling_params import SamplingParams
+
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()   # queued, holds no blocks: new, or preempted by recompute
@@ -31,9 +33,12 @@ class Request:
     host_block_ids: list[int] = field(default_factory=list)  # host blocks while swapped
     finish_reason: str | None = None        # "stop", "length", "abort"
     num_preemptions: int = 0
-    # Extension point for stop strings: called with the request after each appended token, once min_tokens
-    # is met; returns a finish reason (e.g. "stop") or None. The detokenizing stop-string matcher plugs in here.
+    # Stop strings plug in here: called with the request after EVERY appended token (the engine's
+    # incremental detokenizer consumes each one), returns a finish reason or None; honoured once
+    # min_tokens is met.
     stop_checker: Callable[["Request"], str | None] | None = None
+    params: SamplingParams | None = None    # None: greedy
+    seed: int = 0                           # the request's seed (drawn by the engine when not given)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -68,14 +73,20 @@ class Request:
 
     def check_stop(self, token: int, max_model_len: int) -> str | None:
         """Finish reason after `token` was appended to the outputs, or None to go on."""
+        text_stop = self.stop_checker(self) if self.stop_checker is not None else None
         if len(self.output_token_ids) >= self.min_tokens:
             if token in self.stop_token_ids or (token in self.eos_token_ids and not self.ignore_eos):
                 return "stop"
-            if self.stop_checker is not None and (reason := self.stop_checker(self)) is not None:
-                return reason
+            if text_stop is not None:
+                return text_stop
         if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None
+
+    @property
+    def suppresses_stop_tokens(self) -> bool:
+        """min_tokens not reached yet: EOS and stop tokens must not be sampled."""
+        return len(self.output_token_ids) < self.min_tokens and bool(self.eos_token_ids or self.stop_token_ids)
 
     def finish(self, reason: str) -> None:
         self.status = RequestStatus.FINISHED

@@ -20,13 +20,37 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.packing import SeqSlice, StepLayout, bucket, pack
-from engine.step import greedy_step
+from engine.sampler import SamplingRow, build_sampling_metadata, select_mode
+from engine.sampling_params import SamplingParams
+from engine.step import prompt_logprobs_step, sample_step
 from models.loading import LoadedModel
 from models.paged import NULL_BLOCK, init_kv_cache
 
 log = logging.getLogger("ferry")
 
 MIN_PREFILL_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclasses.dataclass(slots=True)
+class RunnerOutput:
+    tokens: dict[str, int] = dataclasses.field(default_factory=dict)  # request id -> sampled token
+    # request id -> (logprob of the sampled token, [(id, logprob), ...] top-k), for requests asking logprobs
+    logprobs: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    # request id -> [(logprob of the next prompt token, top-k), ...] for this step's scored prompt rows
+    prompt_logprobs: dict[str, list] = dataclasses.field(default_factory=dict)
+
+
+def _wants_prompt_logprobs(request) -> bool:
+    return request.params is not None and request.params.prompt_logprobs is not None
+
+
+def _needs_full_sampler(row: SamplingRow) -> bool:
+    return select_mode([row.params]) == "full" or bool(row.banned)
+
+
+def _select_rows(sample, rows):
+    return tuple(a[rows] for a in sample)
 
 
 def powers_of_two(lo: int, hi: int) -> list[int]:
@@ -101,48 +125,108 @@ class ModelRunner:
 
     # -------------------------------------------------------------- plan execution
 
-    def execute(self, plan) -> dict[str, int]:
-        """Run one StepPlan; returns {request_id: sampled token} for every request that samples."""
+    def execute(self, plan) -> "RunnerOutput":
+        """Run one StepPlan: swaps first, then the prefill chunks, then the decode batch."""
         for device_ids, host_ids in plan.swap_out:  # first: those device blocks may be reused below
             self._swap_out(device_ids, host_ids)
         for host_ids, device_ids in plan.swap_in:
             self._swap_in(host_ids, device_ids)
-        sampled = {}
-        chunks = plan.prefills
-        for i in range(0, len(chunks), self.buckets.prefill_seqs):
-            group = chunks[i:i + self.buckets.prefill_seqs]
-            seqs = [SeqSlice(c.request.all_token_ids[c.start:c.start + c.length], c.start, c.request.block_ids)
-                    for c in group]
-            tokens = self._run(seqs, decode=False)
-            sampled.update((c.request.request_id, int(t)) for c, t in zip(group, tokens) if c.samples)
+        out = RunnerOutput()
+        scoring = [c for c in plan.prefills if _wants_prompt_logprobs(c.request)]
+        plain = [c for c in plan.prefills if not _wants_prompt_logprobs(c.request)]
+        for chunk in scoring:  # one per call: every row's logits are needed
+            self._run_prefill([chunk], out, score=True)
+        for i in range(0, len(plain), self.buckets.prefill_seqs):
+            self._run_prefill(plain[i:i + self.buckets.prefill_seqs], out, score=False)
         if plan.decodes:
             seqs = [SeqSlice(r.all_token_ids[-1:], r.num_tokens - 1, r.block_ids) for r in plan.decodes]
-            tokens = self._run(seqs, decode=True)
-            sampled.update((r.request_id, int(t)) for r, t in zip(plan.decodes, tokens))
-        return sampled
+            layout = self.layout_for(seqs, decode=True)
+            rows = [self._sampling_row(r, r.num_tokens) for r in plan.decodes]
+            self._collect(plan.decodes, self._call(seqs, layout, rows), out)
+        return out
 
-    def layout_for(self, seqs, decode: bool) -> StepLayout:
+    def _run_prefill(self, chunks, out: "RunnerOutput", score: bool):
+        seqs = [SeqSlice(c.request.all_token_ids[c.start:c.start + c.length], c.start, c.request.block_ids)
+                for c in chunks]
+        rows = [self._sampling_row(c.request, c.start + c.length) for c in chunks]
+        layout = self.layout_for(seqs, decode=False, all_logits=score)
+        if score:
+            (chunk,) = chunks
+            sample, scores = self._call(seqs, layout, rows, score_chunk=chunk)
+            out.prompt_logprobs.setdefault(chunk.request.request_id, []).extend(scores)
+        else:
+            sample = self._call(seqs, layout, rows)
+        sampling = [c for c in chunks if c.samples]
+        self._collect([c.request for c in sampling], _select_rows(sample, [chunks.index(c) for c in sampling]), out)
+
+    def _collect(self, requests, sample, out: "RunnerOutput"):
+        tokens, logprob, top_ids, top_lp = sample
+        for i, r in enumerate(requests):
+            out.tokens[r.request_id] = int(tokens[i])
+            if r.params is not None and r.params.logprobs is not None:
+                k = r.params.logprobs
+                out.logprobs[r.request_id] = (float(logprob[i]), list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
+
+    def _sampling_row(self, request, history_len: int) -> SamplingRow:
+        params = request.params or GREEDY
+        banned = request.eos_token_ids + request.stop_token_ids if request.suppresses_stop_tokens else ()
+        return SamplingRow(params, request.seed, request.num_output_tokens, request.all_token_ids[:history_len],
+                           request.num_prompt_tokens, banned)
+
+    def layout_for(self, seqs, decode: bool, all_logits: bool = False) -> StepLayout:
         b = self.buckets
         width = b.pick(b.widths, max(len(s.block_ids) for s in seqs))
         if decode:
             rows = b.pick(b.decode_batch, len(seqs))
             return StepLayout(rows, rows, width, rows, decode=True)
         tokens = b.pick(b.prefill_tokens, sum(len(s.token_ids) for s in seqs))
-        return StepLayout(tokens, b.prefill_seqs, width, b.prefill_seqs, decode=False)
+        return StepLayout(tokens, b.prefill_seqs, width, tokens if all_logits else b.prefill_seqs, decode=False)
 
-    def _run(self, seqs, decode: bool) -> np.ndarray:
-        return self._call(seqs, self.layout_for(seqs, decode))[:len(seqs)]
-
-    def _call(self, seqs, layout: StepLayout) -> np.ndarray:
+    def _call(self, seqs, layout: StepLayout, rows, score_chunk=None):
+        """Pack, run the jitted step, fetch its (small) outputs. Returns numpy (tokens, logprob, top_ids,
+        top_logprobs) per logits row, and with `score_chunk` also that chunk's prompt logprobs."""
         t0 = time.perf_counter()
-        buf = pack(seqs, layout, self.block_size)
+        buf = pack(seqs, layout, self.block_size, all_logits=score_chunk is not None)
+        mode = "full" if any(_needs_full_sampler(r) for r in rows) else "greedy"
+        sampling_md = (build_sampling_metadata(rows, layout.num_seqs, layout.width * self.block_size)
+                       if mode == "full" else None)
         t1 = time.perf_counter()
         m = self.model
-        tokens, self.kv_cache = greedy_step(m.graphdef, m.state, self.kv_cache, buf, layout, self.attention_impl)
-        tokens = np.asarray(tokens)  # waits for the device
+        if score_chunk is None:
+            sample, self.kv_cache = sample_step(m.graphdef, m.state, self.kv_cache, buf, sampling_md, layout, mode,
+                                                self.attention_impl)
+        else:
+            next_ids, num_top = self._next_prompt_ids(score_chunk, layout.num_tokens)
+            sample_rows = np.zeros(layout.num_seqs, np.int32)
+            sample_rows[0] = score_chunk.length - 1
+            scores, sample, self.kv_cache = prompt_logprobs_step(
+                m.graphdef, m.state, self.kv_cache, buf, sampling_md, next_ids, sample_rows, layout, mode,
+                num_top, self.attention_impl)
+        sample = jax.device_get((sample.tokens, sample.logprob, sample.top_ids, sample.top_logprobs))
         self.timings["pack_s"] += t1 - t0
         self.timings["device_s"] += time.perf_counter() - t1
-        return tokens
+        if score_chunk is None:
+            return sample
+        return sample, self._prompt_scores(score_chunk, jax.device_get(scores))
+
+    def _next_prompt_ids(self, chunk, num_rows):
+        """The prompt token each row predicts (-1 past the prompt), and how many top logprobs to keep."""
+        request = chunk.request
+        next_ids = np.full(num_rows, -1, np.int32)
+        following = request.prompt_token_ids[chunk.start + 1:chunk.start + chunk.length + 1]
+        next_ids[:len(following)] = following
+        return next_ids, max(1, bucket(request.params.prompt_logprobs or 1))
+
+    @staticmethod
+    def _prompt_scores(chunk, scores):
+        """[(logprob of the next prompt token, [(id, logprob) of the top k]), ...] for the chunk's rows
+        that predict a prompt token."""
+        chosen, top_ids, top_values = scores
+        request = chunk.request
+        k = request.params.prompt_logprobs
+        rows = min(chunk.length, request.num_prompt_tokens - 1 - chunk.start)
+        return [(float(chosen[i]), list(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())))
+                for i in range(max(rows, 0))]
 
     def _padded_ids(self, ids) -> np.ndarray:
         out = np.full(self.buckets.pick(self.buckets.swap_blocks, len(ids)), NULL_BLOCK, np.int32)
@@ -168,22 +252,27 @@ class ModelRunner:
 
     # -------------------------------------------------------------- warm-up
 
-    def warmup(self) -> float:
-        """Compile every bucket now (decode batch x width, prefill tokens x width, swap sizes)."""
+    def warmup(self, sampling: bool = True) -> float:
+        """Compile every bucket now: (decode batch x width, prefill tokens x width) for the greedy
+        sampler, and for the full one too unless `sampling` is False; and every swap size."""
         t0 = time.perf_counter()
         b = self.buckets
+        greedy_row = SamplingRow(GREEDY, 0, 0, [0], 1)
+        sampling_modes = [greedy_row] + ([SamplingRow(SamplingParams(temperature=1.0), 0, 0, [0], 1)] if sampling else [])
         layouts = [StepLayout(rows, rows, width, rows, decode=True) for width in b.widths for rows in b.decode_batch]
         layouts += [StepLayout(tokens, b.prefill_seqs, width, b.prefill_seqs, decode=False)
                     for width in b.widths for tokens in b.prefill_tokens]
-        for layout in layouts:  # one real-looking row is enough: the shapes are the layout's
-            self._call([SeqSlice([0], 0, [NULL_BLOCK] * layout.width)], layout)
+        for mode_row in sampling_modes:
+            for layout in layouts:  # one real-looking row is enough: the shapes are the layout's
+                self._call([SeqSlice([0], 0, [NULL_BLOCK] * layout.width)], layout, [mode_row])
         for n in b.swap_blocks:
             host = tuple(range(-n, 0))  # placeholder ids that no real swap uses
             self._swap_out([NULL_BLOCK] * n, host)
             self._swap_in(host, [NULL_BLOCK] * n)
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
         elapsed = time.perf_counter() - t0
-        log.info("warm-up: %d step shapes and %d swap sizes in %.1f s", len(layouts), len(b.swap_blocks), elapsed)
+        log.info("warm-up: %d step shapes x %d sampler(s) and %d swap sizes in %.1f s", len(layouts),
+                 len(sampling_modes), len(b.swap_blocks), elapsed)
         return elapsed
 
 

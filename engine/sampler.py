@@ -35,6 +35,7 @@ MODES = ("greedy", "full")
 PRNG_IMPL = "threefry2x32"  # named so tokens don't change with the jax_default_prng_impl flag
 HISTORY_PAD = -1
 TOP_CANDIDATES = 64  # best logits taken with lax.top_k; top-k / top-p past them bisect
+MAX_BANNED = 16      # EOS + stop token ids suppressed until min_tokens
 
 
 @dataclasses.dataclass(slots=True)
@@ -52,6 +53,7 @@ class SamplingMetadata:
     output_index: jax.Array       # i32[B]; index of the token being sampled among the row's outputs
     history: jax.Array            # i32[B, L]; prompt + output tokens so far, padded with HISTORY_PAD
     prompt_len: jax.Array         # i32[B]; history[:, :prompt_len] is the prompt
+    banned: jax.Array             # i32[B, MAX_BANNED]; ids that must not be sampled (min_tokens), -1 pads
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,7 +92,7 @@ def _greedy_output(logits: jax.Array) -> SampleOutput:
 
 def _full_output(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int) -> SampleOutput:
     logits = logits.astype(jnp.float32)
-    penalised = apply_penalties(logits, md)
+    penalised = ban_tokens(apply_penalties(logits, md), md.banned)
     greedy_row = md.temperature < GREEDY_TEMPERATURE
     # Greedy rows divide by 1 rather than ~0 (inf / nan); their draw is discarded below.
     scaled = penalised / jnp.where(greedy_row, 1.0, md.temperature)[:, None]
@@ -136,6 +138,13 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     logits = jnp.where(in_prompt | in_output, repeated, logits)
     logits = logits - md.frequency_penalty[:, None] * output_counts.astype(jnp.float32)
     return logits - md.presence_penalty[:, None] * in_output.astype(jnp.float32)
+
+
+def ban_tokens(logits: jax.Array, banned: jax.Array) -> jax.Array:
+    """-inf at each row's banned ids (padding -1 goes to column V, which mode="drop" discards)."""
+    ids = jnp.where(banned >= 0, banned, logits.shape[-1])
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], ids.shape)
+    return logits.at[rows, ids].set(-jnp.inf, mode="drop")
 
 
 def filter_logits(scaled: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -287,6 +296,7 @@ class SamplingRow(NamedTuple):
     output_index: int         # how many output tokens the request has so far
     history: Sequence[int]    # prompt + output token ids so far
     prompt_len: int
+    banned: Sequence[int] = ()  # ids not to sample this step (EOS / stop ids before min_tokens)
 
 
 def select_mode(params: Iterable[SamplingParams]) -> str:
@@ -314,7 +324,8 @@ def _padding_metadata(batch: int, width: int) -> SamplingMetadata:
         min_p=full(0.0, np.float32), presence_penalty=full(0.0, np.float32),
         frequency_penalty=full(0.0, np.float32), repetition_penalty=full(1.0, np.float32),
         seed=full(0, np.uint32), output_index=full(0, np.int32),
-        history=np.full((batch, width), HISTORY_PAD, np.int32), prompt_len=full(0, np.int32))
+        history=np.full((batch, width), HISTORY_PAD, np.int32), prompt_len=full(0, np.int32),
+        banned=np.full((batch, MAX_BANNED), HISTORY_PAD, np.int32))
 
 
 def _fill_row(md: SamplingMetadata, i: int, row: SamplingRow, width: int):
@@ -334,6 +345,9 @@ def _fill_row(md: SamplingMetadata, i: int, row: SamplingRow, width: int):
     md.output_index[i] = row.output_index
     md.history[i, :len(row.history)] = row.history
     md.prompt_len[i] = row.prompt_len
+    if len(row.banned) > MAX_BANNED:
+        raise ValueError(f"{len(row.banned)} banned ids (EOS + stop_token_ids under min_tokens); at most {MAX_BANNED}")
+    md.banned[i, :len(row.banned)] = row.banned
 
 
 def seed_bits(seed: int) -> int:

@@ -151,6 +151,19 @@ class Scheduler:
         self.requests[rid] = request
         self.waiting.append(request)
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Add `child`, a sample of the same prompt, sharing the parent's full prompt blocks that are
+        already computed (ref counted); only the tail of the prompt is prefilled for it. The parent
+        must be running (its blocks on the device); blocks are never written twice because block
+        tables are append-only and a shared block is full."""
+        if parent.status is not RequestStatus.RUNNING or child.prompt_token_ids != parent.prompt_token_ids:
+            raise ValueError(f"request {child.request_id!r}: can fork only a running request's prompt")
+        self.add(child)
+        shared = min(parent.num_computed_tokens, child.num_prompt_tokens - 1) // self.config.block_size
+        child.block_ids = list(parent.block_ids[:shared])
+        self.block_pool.incref(child.block_ids)
+        child.num_computed_tokens = shared * self.config.block_size
+
     def abort(self, request_id: str) -> Request | None:
         """Drop a request in any state, freeing its device and host blocks now. None if unknown or already
         finished (a finished request leaves through the next step's reap). The request keeps its (now freed)
@@ -167,6 +180,7 @@ class Scheduler:
             self.host_pool.free(request.host_block_ids)
         else:
             self.waiting.remove(request)
+            self.block_pool.free(request.block_ids)  # a forked request waits holding shared blocks
         request.finish("abort")
         del self.requests[request_id]
         return request
@@ -312,8 +326,9 @@ class Scheduler:
         if request.status is RequestStatus.SWAPPED:
             slot = cdiv(request.num_tokens, self.config.block_size) > len(request.host_block_ids)
             return len(request.host_block_ids) + (slot and not request.in_prefill)
-        # The whole prefill target upfront, so a started prefill never waits for blocks.
-        return cdiv(request.prefill_target, self.config.block_size)
+        # The whole prefill target upfront, so a started prefill never waits for blocks (less any
+        # shared blocks a forked request already holds).
+        return cdiv(request.prefill_target, self.config.block_size) - len(request.block_ids)
 
     def _try_admit(self, request: Request, step: _StepState) -> bool:
         if len(self.running) + len(step.pending) >= self.config.max_num_seqs or step.tokens_left == 0:
@@ -346,7 +361,7 @@ class Scheduler:
             request.host_block_ids = []
             self.swapped.remove(request)
         else:
-            request.block_ids = self.block_pool.allocate(cdiv(request.prefill_target, self.config.block_size))
+            request.block_ids += self.block_pool.allocate(self._blocks_to_admit(request))
             self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -442,7 +457,7 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise AssertionError unless pools, queues and requests agree. Meant between steps (after
         postprocess), e.g. after every step in tests."""
-        self.block_pool.check_invariants({r.request_id: r.block_ids for r in self.running})
+        self.block_pool.check_invariants({r.request_id: r.block_ids for r in self.running + self.waiting})
         self.host_pool.check_invariants({r.request_id: r.host_block_ids for r in self.swapped})
         queues = ((self.waiting, RequestStatus.WAITING), (self.running, RequestStatus.RUNNING),
                   (self.swapped, RequestStatus.SWAPPED))
@@ -461,8 +476,9 @@ class Scheduler:
                 elif status is RequestStatus.SWAPPED:
                     _check(len(r.host_block_ids) == expected and not r.block_ids,
                            f"{r.request_id}: {len(r.host_block_ids)} host blocks, expected {expected}")
-                else:
-                    _check(not r.block_ids and not r.host_block_ids and r.num_computed_tokens == 0,
-                           f"{r.request_id}: waiting but holds blocks or computed tokens")
+                else:  # only a forked request waits holding (shared, computed) blocks
+                    _check(not r.host_block_ids and r.num_computed_tokens == len(r.block_ids) * self.config.block_size,
+                           f"{r.request_id}: waiting with {r.num_computed_tokens} computed tokens in "
+                           f"{len(r.block_ids)} blocks")
         _check(len(seen) == len(self.requests), "tracked requests missing from the queues")
         _check(len(self.running) <= self.config.max_num_seqs, "more running requests than max_num_seqs")

@@ -1,23 +1,36 @@
 """One entry point for paged attention; picks the implementation by backend.
 
-  gpu -> Pallas kernels lowered through Triton
-  tpu -> Pallas kernels (Mosaic TPU)
-  cpu -> the plain-jnp reference, unless another implementation is asked for
+  gpu -> Pallas kernels lowered through Triton (paged_attention.py / prefill_attention.py)
+  tpu -> the plain-jnp reference for now (see below), also when "pallas" is asked for
+  cpu -> the native C++ kernel (an XLA FFI custom call, native.py) where it is built and takes
+         the dtype, else the plain-jnp reference
 
-`impl` forces one: "reference", "pallas", or "pallas_interpret" (Pallas in interpret mode,
-which runs anywhere and is how the CPU tests exercise the kernels).
+`impl` forces one: "reference", "native", "pallas", or "pallas_interpret" (Pallas in interpret
+mode, which runs anywhere and is how the CPU tests exercise the kernels).
+
+The kernels are written for Triton: K/V pages are read with masked pointer gathers (page id ->
+token, head, feature), which is what lets any block table, head_dim 80/96 and garbage in unused
+slots work without copying the cache. Mosaic TPU has no masked gather loads, so on TPU "pallas"
+runs the reference; a TPU kernel would DMA whole pages through scalar-prefetched block tables
+(the jax.experimental.pallas.ops.tpu.paged_attention design) and is not written yet.
 """
 
 import jax
 
-from pallas_kernels import reference
+from pallas_kernels import native, reference
+from pallas_kernels.paged_attention import paged_decode_attention
+from pallas_kernels.prefill_attention import paged_prefill_attention
 
-IMPLS = ("reference", "pallas", "pallas_interpret")
+IMPLS = ("reference", "native", "pallas", "pallas_interpret")
 
 
-def default_impl(backend: str | None = None) -> str:
+def default_impl(backend: str | None = None, dtype=None) -> str:
     backend = backend or jax.default_backend()
-    return "reference" if backend == "cpu" else "pallas"
+    if backend != "cpu":
+        return "pallas"
+    if native.available() and (dtype is None or native.supports(dtype, dtype)):
+        return "native"
+    return "reference"
 
 
 def paged_attention(
@@ -25,9 +38,11 @@ def paged_attention(
     *, decode: bool, scale: float, soft_cap: float | None = None, impl: str | None = None,
 ):
     """Decode (one query per sequence, q [S, Hq, D]) or chunked prefill (flat q [T, Hq, D])."""
-    impl = impl or default_impl()
+    impl = impl or default_impl(dtype=q.dtype)
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
+    if impl == "pallas" and jax.default_backend() == "tpu":
+        impl = "reference"  # no TPU kernel yet (module docstring)
     if impl == "reference":
         if decode:
             return reference.paged_decode_attention_ref(
@@ -35,4 +50,16 @@ def paged_attention(
         return reference.paged_prefill_attention_ref(
             q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
             scale=scale, soft_cap=soft_cap)
-    raise NotImplementedError("Pallas kernels land with the kernels issue")
+    if impl == "native":
+        fn = native.paged_decode_attention_native if decode else native.paged_prefill_attention_native
+        args = (block_tables, context_lens) if decode else (block_tables, context_lens, query_start_loc)
+        return fn(q, k_pages, v_pages, *args, scale=scale, soft_cap=soft_cap)
+    # "pallas" lowers through Triton (also when traced on a CPU host for a CUDA target, which is
+    # how tests/test_cuda_lowering.py checks it); "pallas_interpret" runs the same kernels anywhere.
+    interpret = impl == "pallas_interpret"
+    if decode:
+        return paged_decode_attention(q, k_pages, v_pages, block_tables, context_lens,
+                                      scale=scale, soft_cap=soft_cap, interpret=interpret)
+    return paged_prefill_attention(q, k_pages, v_pages, block_tables, context_lens,
+                                   query_start_loc, scale=scale, soft_cap=soft_cap,
+                                   interpret=interpret)

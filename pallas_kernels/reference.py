@@ -37,7 +37,10 @@ def _attend(q, k, v, key_mask, scale, soft_cap):
     probs = jnp.where(key_mask[None, None], jnp.exp(scores - row_max), 0.0)
     denom = probs.sum(axis=-1, keepdims=True)
     probs = probs / jnp.where(denom == 0.0, 1.0, denom)
-    out = jnp.einsum("hgql,lhd->qhgd", probs, v.astype(jnp.float32))
+    # Zero the values no row may attend to: a probability of 0 times garbage (NaN/inf) in an
+    # unused page slot would otherwise still poison the sum.
+    v = jnp.where(key_mask.any(axis=0)[:, None, None], v.astype(jnp.float32), 0.0)
+    out = jnp.einsum("hgql,lhd->qhgd", probs, v)
     return out.reshape(q.shape[0], num_q_heads, q.shape[2])
 
 

@@ -13,6 +13,7 @@ import time
 from absl import app, flags
 
 from engine.engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.loading import random_model
 
@@ -39,11 +40,15 @@ def measure(model, batch: int) -> dict:
         block_size=FLAGS.block_size, max_num_seqs=batch, max_model_len=max_len,
         max_num_batched_tokens=max(batch * FLAGS.prompt_len, 16),
         num_blocks=1 + batch * -(-max_len // FLAGS.block_size)))
-    warmup_s = engine.warmup()
+    warmup_s = engine.warmup(sampling=False)
+    params = SamplingParams(temperature=0.0, max_tokens=FLAGS.output_len, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request(list(range(3, 3 + FLAGS.prompt_len)), FLAGS.output_len, ignore_eos=True)
+        engine.add_request(None, list(range(3, 3 + FLAGS.prompt_len)), params)
     t0 = time.perf_counter()
-    steps = engine.run_to_completion()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
     wall = time.perf_counter() - t0
     runner, times = engine.runner.timings, engine.step_times
     host = times["schedule_s"] + times["postprocess_s"] + runner["pack_s"]

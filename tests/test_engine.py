@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.engine import LLM, EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
 from engine.runner import CompileCounter
 from hf_models import check_greedy_match, hf_greedy, make_hf_model
 from models.loading import load_model
@@ -23,13 +24,17 @@ def _workload(seed, vocab, n=10):
             for _ in range(n)]
 
 
+def _greedy(max_tokens):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
 def _run(loaded, workload, **config):
-    engine = LLMEngine(loaded, EngineConfig(block_size=8, max_num_seqs=8, **config))
-    requests = [engine.add_request(prompt, max_tokens, ignore_eos=True) for prompt, max_tokens in workload]
-    engine.run_to_completion(max_steps=2000)
-    engine.scheduler.schedule()  # one more step's reap returns the last finished requests' blocks
-    assert engine.scheduler.block_pool.num_used == 0
-    return [r.output_token_ids for r in requests], engine.scheduler
+    llm = LLM(loaded, EngineConfig(block_size=8, max_num_seqs=8, **config))
+    outputs = llm.generate([p for p, _ in workload], [_greedy(m) for _, m in workload], use_tqdm=False)
+    scheduler = llm.engine.scheduler
+    scheduler.schedule()  # one more step's reap returns the last finished requests' blocks
+    assert scheduler.block_pool.num_used == 0
+    return [o.outputs[0].token_ids for o in outputs], scheduler
 
 
 def test_greedy_outputs_identical_under_preemption_and_chunking(checkpoint):
@@ -62,12 +67,15 @@ def test_no_compilation_after_warmup(checkpoint):
     seed, _, loaded = checkpoint
     engine = LLMEngine(loaded, EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=128,
                                             num_blocks=160, chunk_size=64, max_model_len=160))
-    engine.warmup()
+    engine.warmup(sampling=False)
     counter = CompileCounter.install()
     before = counter.count
     rng = np.random.default_rng(seed)
     for _ in range(200):
         prompt = rng.integers(3, loaded.cfg.vocab_size, size=int(rng.integers(1, 130))).tolist()
-        engine.add_request(prompt, int(rng.integers(1, 30)), ignore_eos=True, priority=int(rng.integers(0, 3)))
-    engine.run_to_completion(max_steps=5000)
+        params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 30)), ignore_eos=True,
+                                priority=int(rng.integers(0, 3)))
+        engine.add_request(None, prompt, params)
+    while engine.has_unfinished():
+        engine.step()
     assert counter.count - before == 0, f"{counter.count - before} compilations after warm-up"

@@ -1,0 +1,731 @@
+// Native CPU paged attention for Ferry, exported as two XLA FFI handlers:
+//
+//   FerryPagedDecodeAttention   q [S, Hq, D], k/v pages [NB, BS, Hkv, D], block_tables [S, W] i32,
+//                               context_lens [S] i32                      -> out [S, Hq, D]
+//   FerryPagedPrefillAttention  q [T, Hq, D], k/v pages, block_tables, context_lens,
+//                               query_start_loc [S + 1] i32               -> out [T, Hq, D]
+//
+// Attributes: scale (f32) and soft_cap (f32; 0 = no cap). Semantics are those of
+// pallas_kernels/reference.py: a query's absolute position is context_len - query_len + its index
+// in the chunk, it attends to keys at positions <= its own (and < W * BS), rows that attend to
+// nothing come out as zeros, softmax runs in float32 and the output has q's dtype. float32 and
+// bfloat16 are supported (q, pages and output share the dtype; accumulation is float32).
+//
+// K/V are read through the block table in place (no gather copy) and only the pages a query row
+// can see are touched, so garbage in unused page slots or unused table entries is never read.
+// Page ids are clamped into [0, NB) like XLA's gather clamps indices, so a bad table cannot read
+// out of bounds. Online (flash) softmax runs one page at a time in float32; all query heads of a
+// KV head (and, in prefill, a tile of query rows) are processed together so each K/V row is
+// loaded once per group, and the next pages are prefetched (they sit at random addresses).
+// Work items are (sequence, all kv heads) in decode -- each page is then one contiguous read --
+// with the heads split when the batch is small, and (sequence, query tile, kv head) in prefill.
+// They are spread over XLA's intra-op thread pool (FFI ThreadPool context); the calling thread
+// takes items too, so the call never waits on a busy pool. FERRY_NATIVE_ATTENTION_THREADS=N caps
+// the number of threads (1 = serial); the result does not depend on it.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#if defined(__GNUC__)
+#define FERRY_INLINE inline __attribute__((always_inline))
+#else
+#define FERRY_INLINE inline
+#endif
+
+// Hot loops are compiled twice on x86-64 (baseline and AVX2/FMA) and picked at load time, so the
+// library stays portable (-march=x86-64-v2 baseline) but uses wide vectors where the CPU has them.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
+    !defined(FERRY_NO_TARGET_CLONES)
+#define FERRY_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define FERRY_CLONES
+#endif
+
+namespace {
+
+// ----------------------------------------------------------------------------- element types
+
+FERRY_INLINE float Bf16ToF32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+FERRY_INLINE uint16_t F32ToBf16(float f) {  // round to nearest even, like XLA's convert
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+FERRY_INLINE float ToF32(float x) { return x; }
+FERRY_INLINE float ToF32(uint16_t x) { return Bf16ToF32(x); }
+FERRY_INLINE void FromF32(float x, float* dst) { *dst = x; }
+FERRY_INLINE void FromF32(float x, uint16_t* dst) { *dst = F32ToBf16(x); }
+
+// exp(x) for x <= 0 (scores minus their running max): Cephes-style range reduction and a
+// degree-6 polynomial, ~2 ulp, written without calls or branches so the loops using it vectorise.
+FERRY_INLINE float ExpNonPositive(float x) {
+  const float kLog2e = 1.44269504088896341f;
+  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float xc = x < -87.0f ? -87.0f : x;
+  float n = (xc * kLog2e + kRound) - kRound;
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  y *= scale;
+  return x < -87.0f ? 0.0f : y;
+}
+
+// tanh(x) (Cephes tanhf): an odd polynomial near 0, (1 - e) / (1 + e) with e = exp(-2|x|) beyond;
+// both sides are computed and one selected, so loops using it vectorise.
+FERRY_INLINE float Tanh(float x) {
+  const float ax = std::fabs(x);
+  const float z = x * x;
+  const float poly =
+      ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
+        1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
+  const float e = ExpNonPositive(-2.0f * ax);
+  const float big = (1.0f - e) / (1.0f + e);
+  return ax < 0.625f ? poly : (x < 0.0f ? -big : big);
+}
+
+// ----------------------------------------------------------------------------- vectors
+
+// Eight floats: one AVX register in the x86-64-v3 clone, two SSE registers in the baseline.
+typedef float V8 __attribute__((vector_size(32)));
+
+FERRY_INLINE V8 Load8(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+FERRY_INLINE void Store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+#if defined(__clang__)
+#define FERRY_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t I8 __attribute__((vector_size(32)));
+#define FERRY_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, I8{__VA_ARGS__})
+#endif
+
+// Horizontal sums of four vectors: {sum(a), sum(b), sum(c), sum(d)}.
+FERRY_INLINE void Sum4(V8 a, V8 b, V8 c, V8 d, float* out) {
+  const V8 ab = FERRY_SHUFFLE2(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+                FERRY_SHUFFLE2(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+  const V8 cd = FERRY_SHUFFLE2(c, d, 0, 8, 2, 10, 4, 12, 6, 14) +
+                FERRY_SHUFFLE2(c, d, 1, 9, 3, 11, 5, 13, 7, 15);
+  const V8 s = FERRY_SHUFFLE2(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13) +
+               FERRY_SHUFFLE2(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);
+  out[0] = s[0] + s[4];
+  out[1] = s[1] + s[5];
+  out[2] = s[2] + s[6];
+  out[3] = s[3] + s[7];
+}
+
+FERRY_INLINE float Sum1(V8 a) {
+  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+// scores[t] = dot(q, k + t * ks) for t < n. kD is the head dim when known at compile time (0:
+// use d). Four keys at a time: four independent accumulators and one shuffle reduction.
+template <int64_t kD>
+FERRY_INLINE void Scores(const float* __restrict q, const float* __restrict k, int64_t ks,
+                         int64_t n, int64_t d, float* __restrict scores) {
+  const int64_t D = kD ? kD : d;
+  const int64_t Dv = D & ~int64_t{7};
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float* k0 = k + t * ks;
+    const float* k1 = k0 + ks;
+    const float* k2 = k1 + ks;
+    const float* k3 = k2 + ks;
+    V8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t i = 0; i < Dv; i += 8) {
+      const V8 qv = Load8(q + i);
+      a0 += qv * Load8(k0 + i);
+      a1 += qv * Load8(k1 + i);
+      a2 += qv * Load8(k2 + i);
+      a3 += qv * Load8(k3 + i);
+    }
+    Sum4(a0, a1, a2, a3, scores + t);
+    for (int64_t i = Dv; i < D; ++i) {
+      scores[t] += q[i] * k0[i];
+      scores[t + 1] += q[i] * k1[i];
+      scores[t + 2] += q[i] * k2[i];
+      scores[t + 3] += q[i] * k3[i];
+    }
+  }
+  for (; t < n; ++t) {
+    const float* k0 = k + t * ks;
+    V8 a0 = {};
+    for (int64_t i = 0; i < Dv; i += 8) a0 += Load8(q + i) * Load8(k0 + i);
+    float sum = Sum1(a0);
+    for (int64_t i = Dv; i < D; ++i) sum += q[i] * k0[i];
+    scores[t] = sum;
+  }
+}
+
+// acc[:] = acc[:] * alpha + sum_t w[t] * v[t * vs + :], 32 features at a time held in registers.
+template <int64_t kD>
+FERRY_INLINE void Accumulate(float* __restrict acc, float alpha, const float* __restrict w,
+                             const float* __restrict v, int64_t vs, int64_t n, int64_t d) {
+  const int64_t D = kD ? kD : d;
+  const int64_t Dv = D & ~int64_t{7};
+  int64_t i = 0;
+  for (; i + 32 <= Dv; i += 32) {
+    V8 c0 = Load8(acc + i) * alpha, c1 = Load8(acc + i + 8) * alpha;
+    V8 c2 = Load8(acc + i + 16) * alpha, c3 = Load8(acc + i + 24) * alpha;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* row = v + t * vs + i;
+      const float wt = w[t];
+      c0 += wt * Load8(row);
+      c1 += wt * Load8(row + 8);
+      c2 += wt * Load8(row + 16);
+      c3 += wt * Load8(row + 24);
+    }
+    Store8(acc + i, c0);
+    Store8(acc + i + 8, c1);
+    Store8(acc + i + 16, c2);
+    Store8(acc + i + 24, c3);
+  }
+  for (; i < Dv; i += 8) {
+    V8 c0 = Load8(acc + i) * alpha;
+    for (int64_t t = 0; t < n; ++t) c0 += w[t] * Load8(v + t * vs + i);
+    Store8(acc + i, c0);
+  }
+  for (; i < D; ++i) {
+    float c = acc[i] * alpha;
+    for (int64_t t = 0; t < n; ++t) c += w[t] * v[t * vs + i];
+    acc[i] = c;
+  }
+}
+
+// ----------------------------------------------------------------------------- problem
+
+struct Geometry {
+  int64_t num_blocks, block_size, num_kv_heads, head_dim, num_q_heads, group, table_width;
+};
+
+// One unit of work: `nrows` consecutive query rows of one sequence, all query heads of kv heads
+// [head0, head0 + nheads). Row r sits at absolute position first_pos + r and sees keys
+// [0, clamp(first_pos + r + 1, 0, W * BS)).
+struct Tile {
+  int64_t row0;  // first query row (index into q / out)
+  int64_t nrows;
+  int64_t first_pos;
+  int64_t seq;
+  int64_t head0;
+  int64_t nheads;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, s, k, v;
+  std::vector<int64_t> nk;
+  void Reserve(int64_t rows, int64_t vecs, int64_t bs, int64_t d) {
+    auto grow = [](auto& vec, int64_t n) {
+      if (static_cast<int64_t>(vec.size()) < n) vec.resize(n);
+    };
+    grow(q, vecs * d);
+    grow(acc, vecs * d);
+    grow(m, vecs);
+    grow(l, vecs);
+    grow(s, bs);
+    grow(k, bs * d);
+    grow(v, bs * d);
+    grow(nk, rows);
+  }
+};
+
+Scratch& ThreadScratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+template <typename T>
+struct Problem {
+  const T* q;
+  const T* k;
+  const T* v;
+  T* out;
+  const int32_t* tables;
+  Geometry g;
+  float scale;
+  float soft_cap;  // 0: none
+};
+
+// n rows of one kv head of one page as float32: float pages are used in place, bfloat16 ones are
+// widened into `buf` (once per page and head, shared by every query vector of the group).
+FERRY_INLINE const float* PageRows(const float* page, int64_t, int64_t row_stride, int64_t,
+                                   float*, int64_t* stride_out) {
+  *stride_out = row_stride;
+  return page;
+}
+
+FERRY_INLINE const float* PageRows(const uint16_t* page, int64_t n, int64_t row_stride, int64_t d,
+                                   float* buf, int64_t* stride_out) {
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t* src = page + t * row_stride;
+    float* dst = buf + t * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) dst[i] = Bf16ToF32(src[i]);
+  }
+  *stride_out = d;
+  return buf;
+}
+
+#ifndef FERRY_PREFETCH_PAGES
+#define FERRY_PREFETCH_PAGES 2
+#endif
+constexpr int64_t kPrefetchPages = FERRY_PREFETCH_PAGES;  // how far ahead to prefetch pages (0: off)
+
+// Pages sit at random places and a tile reads short runs of each, which the hardware prefetcher
+// does not follow: ask for a later page's rows (of this tile's heads) while this one is used.
+template <typename T>
+FERRY_INLINE void Prefetch(const T* rows, int64_t n, int64_t row_stride, int64_t row_elems) {
+  const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < n; ++t) {
+    const char* row = reinterpret_cast<const char*>(rows + t * row_stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+  }
+}
+
+template <typename T, int64_t kD>
+FERRY_INLINE void AttendTileImpl(const Problem<T>& p, const Tile& tile, Scratch& sc) {
+  const Geometry& g = p.g;
+  const int64_t G = g.group, D = kD ? kD : g.head_dim, BS = g.block_size;
+  const int64_t NH = tile.nheads;
+  const int64_t M = tile.nrows * NH * G;  // query vectors: index (r * NH + hh) * G + gi
+  const int64_t max_keys_total = g.num_blocks > 0 ? g.table_width * BS : 0;
+  const int64_t q_row_stride = g.num_q_heads * D;
+  const int64_t kv_row_stride = g.num_kv_heads * D;
+  sc.Reserve(tile.nrows, M, BS, D);
+  float* qf = sc.q.data();
+  float* acc = sc.acc.data();
+  float* mx = sc.m.data();
+  float* l = sc.l.data();
+  float* sv = sc.s.data();
+  int64_t* nk = sc.nk.data();
+
+  int64_t max_keys = 0;
+  for (int64_t r = 0; r < tile.nrows; ++r) {
+    nk[r] = std::clamp<int64_t>(tile.first_pos + r + 1, 0, max_keys_total);
+    max_keys = std::max(max_keys, nk[r]);
+  }
+  // The tile's query heads of one row are contiguous in q: (head0 * G ... (head0 + NH) * G).
+  for (int64_t r = 0; r < tile.nrows; ++r) {
+    const T* src = p.q + (tile.row0 + r) * q_row_stride + tile.head0 * G * D;
+    float* dst = qf + r * NH * G * D;
+    for (int64_t i = 0; i < NH * G * D; ++i) dst[i] = ToF32(src[i]) * p.scale;
+  }
+  std::fill(acc, acc + M * D, 0.0f);
+  std::fill(mx, mx + M, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + M, 0.0f);
+
+  const int32_t* table = p.tables + tile.seq * g.table_width;
+  const int64_t num_pages = (max_keys + BS - 1) / BS;
+  const float cap = p.soft_cap;
+  const float inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
+  auto page_offset = [&](int64_t j) {  // element offset of (page j, row 0, head0, 0)
+    const int64_t block = std::clamp<int64_t>(table[j], 0, g.num_blocks - 1);
+    return (block * BS * g.num_kv_heads + tile.head0) * D;
+  };
+  for (int64_t j = 0; j < num_pages; ++j) {
+    const int64_t base = j * BS;
+    const int64_t n = std::min(BS, max_keys - base);
+    const int64_t offset = page_offset(j);
+    if (kPrefetchPages > 0 && j + kPrefetchPages < num_pages) {
+      const int64_t ahead = j + kPrefetchPages;
+      const int64_t rows = std::min(BS, max_keys - ahead * BS);
+      Prefetch(p.k + page_offset(ahead), rows, kv_row_stride, NH * D);
+      Prefetch(p.v + page_offset(ahead), rows, kv_row_stride, NH * D);
+    }
+    for (int64_t hh = 0; hh < NH; ++hh) {
+      int64_t ks = 0, vs = 0;
+      const float* kr = PageRows(p.k + offset + hh * D, n, kv_row_stride, D, sc.k.data(), &ks);
+      const float* vr = PageRows(p.v + offset + hh * D, n, kv_row_stride, D, sc.v.data(), &vs);
+      for (int64_t r = 0; r < tile.nrows; ++r) {
+        const int64_t nm = std::min(n, nk[r] - base);  // keys of this page row r sees
+        if (nm <= 0) continue;
+        for (int64_t gi = 0; gi < G; ++gi) {
+          const int64_t mi = (r * NH + hh) * G + gi;
+          Scores<kD>(qf + mi * D, kr, ks, nm, D, sv);
+          if (cap > 0.0f) {
+#pragma omp simd
+            for (int64_t t = 0; t < nm; ++t) sv[t] = cap * Tanh(sv[t] * inv_cap);
+          }
+          float page_max = sv[0];
+          for (int64_t t = 1; t < nm; ++t) page_max = std::max(page_max, sv[t]);
+          const float new_max = std::max(mx[mi], page_max);
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < nm; ++t) {
+            const float e = ExpNonPositive(sv[t] - new_max);
+            sv[t] = e;
+            sum += e;
+          }
+          // 0 on the first page (mx = -inf), 1 while the max holds.
+          const float alpha = new_max > mx[mi] ? std::exp(mx[mi] - new_max) : 1.0f;
+          mx[mi] = new_max;
+          l[mi] = l[mi] * alpha + sum;
+          Accumulate<kD>(acc + mi * D, alpha, sv, vr, vs, nm, D);
+        }
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < tile.nrows; ++r) {
+    T* dst = p.out + (tile.row0 + r) * q_row_stride + tile.head0 * G * D;
+    for (int64_t v = 0; v < NH * G; ++v) {
+      const int64_t mi = r * NH * G + v;
+      const float inv = l[mi] > 0.0f ? 1.0f / l[mi] : 0.0f;
+      const float* av = acc + mi * D;
+      for (int64_t i = 0; i < D; ++i) FromF32(l[mi] > 0.0f ? av[i] * inv : 0.0f, dst + v * D + i);
+    }
+  }
+}
+
+template <typename T>
+FERRY_INLINE void AttendTileAnyD(const Problem<T>& p, const Tile& tile, Scratch& sc) {
+  switch (p.g.head_dim) {  // common head dims get fully unrolled loops
+    case 32: return AttendTileImpl<T, 32>(p, tile, sc);
+    case 64: return AttendTileImpl<T, 64>(p, tile, sc);
+    case 128: return AttendTileImpl<T, 128>(p, tile, sc);
+    case 256: return AttendTileImpl<T, 256>(p, tile, sc);
+    default: return AttendTileImpl<T, 0>(p, tile, sc);
+  }
+}
+
+FERRY_CLONES void AttendTileF32(const Problem<float>& p, const Tile& tile, Scratch& sc) {
+  AttendTileAnyD(p, tile, sc);
+}
+
+FERRY_CLONES void AttendTileBf16(const Problem<uint16_t>& p, const Tile& tile, Scratch& sc) {
+  AttendTileAnyD(p, tile, sc);
+}
+
+FERRY_INLINE void AttendTile(const Problem<float>& p, const Tile& t, Scratch& sc) {
+  AttendTileF32(p, t, sc);
+}
+FERRY_INLINE void AttendTile(const Problem<uint16_t>& p, const Tile& t, Scratch& sc) {
+  AttendTileBf16(p, t, sc);
+}
+
+
+// ----------------------------------------------------------------------------- threading
+
+int MaxThreadsFromEnv() {  // read on every call (cheap next to the kernel), 0: no cap
+  const char* env = std::getenv("FERRY_NATIVE_ATTENTION_THREADS");
+  if (env == nullptr || *env == '\0') return 0;
+  return std::max(1, std::atoi(env));
+}
+
+struct ParallelState {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t count = 0;
+  const void* ctx = nullptr;
+  void (*fn)(const void*, int64_t) = nullptr;
+};
+
+void DrainWork(ParallelState& st) {
+  for (;;) {
+    const int64_t i = st.next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= st.count) return;  // `ctx` may be gone once all items are done: never touch it here
+    st.fn(st.ctx, i);
+    st.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// Runs fn(ctx, i) for i in [0, count) on the caller plus up to `helpers` pool threads. Helpers
+// that start late find no work left and return; the caller only waits for items in flight.
+void ParallelFor(ffi::ThreadPool* pool, int64_t count, int64_t helpers, const void* ctx,
+                 void (*fn)(const void*, int64_t)) {
+  helpers = std::min<int64_t>(helpers, count - 1);
+  if (pool == nullptr || helpers <= 0) {
+    for (int64_t i = 0; i < count; ++i) fn(ctx, i);
+    return;
+  }
+  auto st = std::make_shared<ParallelState>();
+  st->count = count;
+  st->ctx = ctx;
+  st->fn = fn;
+  for (int64_t h = 0; h < helpers; ++h) pool->Schedule([st] { DrainWork(*st); });
+  DrainWork(*st);
+  while (st->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+}
+
+template <typename T>
+struct TileWork {
+  const Problem<T>* problem;
+  const std::vector<Tile>* tiles;
+  static void Run(const void* self, int64_t i) {
+    const auto* w = static_cast<const TileWork*>(self);
+    AttendTile(*w->problem, (*w->tiles)[i], ThreadScratch());
+  }
+};
+
+template <typename T>
+void RunTiles(ffi::ThreadPool& pool, const Problem<T>& problem, const std::vector<Tile>& tiles) {
+  if (tiles.empty()) return;
+  int64_t threads = pool.num_threads();
+  const int env = MaxThreadsFromEnv();
+  if (env > 0) threads = std::min<int64_t>(threads, env);
+  // Problems under ~0.1 ms of work are not worth waking other threads for.
+  int64_t work = 0;
+  for (const Tile& t : tiles)
+    work += t.nrows * t.nheads * std::max<int64_t>(t.first_pos + t.nrows, 1);
+  work *= problem.g.group * problem.g.head_dim;
+  if (work < (int64_t{1} << 20)) threads = 1;
+  TileWork<T> w{&problem, &tiles};
+  ParallelFor(&pool, static_cast<int64_t>(tiles.size()), threads - 1, &w, &TileWork<T>::Run);
+}
+
+// ----------------------------------------------------------------------------- validation
+
+ffi::Error CheckCommon(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                       ffi::AnyBuffer out, Geometry* g) {
+  const auto dt = q.element_type();
+  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("ferry paged attention: q must be float32 or bfloat16");
+  if (k.element_type() != dt || v.element_type() != dt || out.element_type() != dt)
+    return ffi::Error::InvalidArgument("ferry paged attention: q, k/v pages and out must share a dtype");
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = out.dimensions();
+  auto td = tables.dimensions(), ld = lens.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || od.size() != 3 || td.size() != 2 ||
+      ld.size() != 1)
+    return ffi::Error::InvalidArgument(
+        "ferry paged attention: expected q [T,Hq,D], pages [NB,BS,Hkv,D], block_tables [S,W], "
+        "context_lens [S]");
+  for (int i = 0; i < 4; ++i)
+    if (kd[i] != vd[i])
+      return ffi::Error::InvalidArgument("ferry paged attention: k and v pages differ in shape");
+  for (int i = 0; i < 3; ++i)
+    if (qd[i] != od[i])
+      return ffi::Error::InvalidArgument("ferry paged attention: out must have q's shape");
+  if (kd[3] != qd[2])
+    return ffi::Error::InvalidArgument("ferry paged attention: head_dim of q and pages differ");
+  if (kd[2] <= 0 || qd[1] % kd[2] != 0)
+    return ffi::Error::InvalidArgument(
+        "ferry paged attention: num_q_heads must be a multiple of num_kv_heads");
+  if (td[0] != ld[0])
+    return ffi::Error::InvalidArgument(
+        "ferry paged attention: block_tables and context_lens disagree on the number of sequences");
+  if (kd[1] <= 0)
+    return ffi::Error::InvalidArgument("ferry paged attention: block_size must be positive");
+  g->num_blocks = kd[0];
+  g->block_size = kd[1];
+  g->num_kv_heads = kd[2];
+  g->head_dim = kd[3];
+  g->num_q_heads = qd[1];
+  g->group = qd[1] / kd[2];
+  g->table_width = td[1];
+  return ffi::Error::Success();
+}
+
+template <typename T>
+Problem<T> MakeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g,
+                       float scale, float soft_cap) {
+  Problem<T> p;
+  p.q = static_cast<const T*>(q.untyped_data());
+  p.k = static_cast<const T*>(k.untyped_data());
+  p.v = static_cast<const T*>(v.untyped_data());
+  p.out = static_cast<T*>(out.untyped_data());
+  p.tables = tables.typed_data();
+  p.g = g;
+  p.scale = scale;
+  p.soft_cap = soft_cap > 0.0f ? soft_cap : 0.0f;
+  return p;
+}
+
+template <typename T>
+void ZeroRows(T* out, int64_t row0, int64_t nrows, int64_t row_elems) {
+  std::memset(out + row0 * row_elems, 0, sizeof(T) * nrows * row_elems);
+}
+
+// ----------------------------------------------------------------------------- decode
+
+ffi::Error DecodeBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                      ffi::Result<ffi::AnyBuffer>& out, float scale, float soft_cap) {
+  Geometry g;
+  if (auto err = CheckCommon(q, k, v, tables, lens, *out, &g); err.failure()) return err;
+  const int64_t S = q.dimensions()[0];
+  if (tables.dimensions()[0] != S)
+    return ffi::Error::InvalidArgument(
+        "ferry paged decode attention: q must have one row per sequence");
+  const int32_t* ctx = lens.typed_data();
+  // A tile takes all kv heads of a sequence, so each page is read as one contiguous run; small
+  // batches split the heads to keep enough tiles for the threads.
+  const int64_t splits = std::clamp<int64_t>((16 + S - 1) / std::max<int64_t>(S, 1), 1,
+                                             g.num_kv_heads);
+  const int64_t heads_per_tile = (g.num_kv_heads + splits - 1) / splits;
+  std::vector<Tile> tiles;
+  tiles.reserve(S * splits);
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t h = 0; h < g.num_kv_heads; h += heads_per_tile)
+      tiles.push_back(Tile{s, 1, static_cast<int64_t>(ctx[s]) - 1, s, h,
+                           std::min(heads_per_tile, g.num_kv_heads - h)});
+  if (q.element_type() == ffi::DataType::F32) {
+    RunTiles(pool, MakeProblem<float>(q, k, v, tables, *out, g, scale, soft_cap), tiles);
+  } else {
+    RunTiles(pool, MakeProblem<uint16_t>(q, k, v, tables, *out, g, scale, soft_cap), tiles);
+  }
+  return ffi::Error::Success();
+}
+
+// ----------------------------------------------------------------------------- prefill
+
+ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                       ffi::Buffer<ffi::S32> query_start_loc, ffi::Result<ffi::AnyBuffer>& out,
+                       float scale, float soft_cap) {
+  Geometry g;
+  if (auto err = CheckCommon(q, k, v, tables, lens, *out, &g); err.failure()) return err;
+  const int64_t T = q.dimensions()[0];
+  const int64_t S = tables.dimensions()[0];
+  if (query_start_loc.dimensions().size() != 1 || query_start_loc.dimensions()[0] != S + 1)
+    return ffi::Error::InvalidArgument(
+        "ferry paged prefill attention: query_start_loc must have num_sequences + 1 entries");
+  const int32_t* ctx = lens.typed_data();
+  const int32_t* qsl = query_start_loc.typed_data();
+  // Query tiles of ~32 query vectors (rows x group) share every K/V row they load.
+  const int64_t tile_rows = std::max<int64_t>(1, 32 / g.group);
+  std::vector<Tile> tiles;
+  std::vector<char> covered(T, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t start = qsl[s], q_len = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
+    // Rows of the chunk that exist in q (the reference drops the rest).
+    const int64_t lo = std::max<int64_t>(0, -start), hi = std::min<int64_t>(q_len, T - start);
+    for (int64_t i0 = lo; i0 < hi; i0 += tile_rows) {
+      const int64_t n = std::min(tile_rows, hi - i0);
+      std::fill(covered.begin() + start + i0, covered.begin() + start + i0 + n, 1);
+      for (int64_t h = 0; h < g.num_kv_heads; ++h)
+        tiles.push_back(Tile{start + i0, n, static_cast<int64_t>(ctx[s]) - q_len + i0, s, h, 1});
+    }
+  }
+  const int64_t row_elems = g.num_q_heads * g.head_dim;
+  const bool f32 = q.element_type() == ffi::DataType::F32;
+  for (int64_t r = 0; r < T;) {  // rows of no sequence (padding) are zeros
+    if (covered[r]) { ++r; continue; }
+    int64_t e = r;
+    while (e < T && !covered[e]) ++e;
+    if (f32) ZeroRows(static_cast<float*>(out->untyped_data()), r, e - r, row_elems);
+    else ZeroRows(static_cast<uint16_t*>(out->untyped_data()), r, e - r, row_elems);
+    r = e;
+  }
+  // Long tiles first, so the last items handed out are the short ones.
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
+    return a.first_pos + a.nrows > b.first_pos + b.nrows;
+  });
+  if (f32) {
+    RunTiles(pool, MakeProblem<float>(q, k, v, tables, *out, g, scale, soft_cap), tiles);
+  } else {
+    RunTiles(pool, MakeProblem<uint16_t>(q, k, v, tables, *out, g, scale, soft_cap), tiles);
+  }
+  return ffi::Error::Success();
+}
+
+// No C++ exception may cross the C boundary into XLA (std::bad_alloc from the scratch buffers).
+template <typename F>
+ffi::Error Guarded(F&& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("ferry paged attention: ") + e.what());
+  } catch (...) {
+    return ffi::Error::Internal("ferry paged attention: unknown C++ exception");
+  }
+}
+
+ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                      ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap) {
+  return Guarded([&] { return DecodeBody(pool, q, k, v, tables, lens, out, scale, soft_cap); });
+}
+
+ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                       ffi::Buffer<ffi::S32> query_start_loc, ffi::Result<ffi::AnyBuffer> out,
+                       float scale, float soft_cap) {
+  return Guarded([&] {
+    return PrefillBody(pool, q, k, v, tables, lens, query_start_loc, out, scale, soft_cap);
+  });
+}
+
+}  // namespace
+
+// The library is built with -fvisibility=hidden; only these symbols are exported.
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
+#endif
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryPagedDecodeAttention, DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k_pages
+                                  .Arg<ffi::AnyBuffer>()         // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // context_lens
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryPagedPrefillAttention, PrefillImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k_pages
+                                  .Arg<ffi::AnyBuffer>()         // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // context_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap"));
+
+// Let the loader (pallas_kernels/native.py) check that the library matches the Python side and
+// was built from this very source (the build passes -DFERRY_SOURCE_HASH=<sha256 prefix>).
+// The jaxlib whose FFI headers it was compiled against goes in too: XLA takes handlers built with
+// older headers, not necessarily newer ones.
+#ifndef FERRY_SOURCE_HASH
+#define FERRY_SOURCE_HASH "unknown"
+#endif
+#ifndef FERRY_JAXLIB_VERSION
+#define FERRY_JAXLIB_VERSION "unknown"
+#endif
+extern "C" int FerryPagedAttentionAbiVersion() { return 1; }
+extern "C" const char* FerryPagedAttentionSourceHash() { return FERRY_SOURCE_HASH; }
+extern "C" const char* FerryPagedAttentionJaxlibVersion() { return FERRY_JAXLIB_VERSION; }
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif

@@ -1,0 +1,324 @@
+"""Native CPU paged attention: an XLA FFI custom call (pallas_kernels/cpu/paged_attention.cc).
+
+  paged_decode_attention_native(q, k_pages, v_pages, block_tables, context_lens, *, scale,
+                                soft_cap=None)
+  paged_prefill_attention_native(q, k_pages, v_pages, block_tables, context_lens,
+                                 query_start_loc, *, scale, soft_cap=None)
+
+take exactly the arguments of the references in pallas_kernels/reference.py and match them (float32
+and bfloat16, q and pages of one dtype; GQA/MQA; any head_dim and block size; optional soft cap).
+They run on the CPU backend only. `available()` says whether the library is loaded (and logs why
+not); callers fall back to the reference when it is False.
+
+Where the library comes from, first match wins:
+  1. $FERRY_NATIVE_ATTENTION_LIB, if set (must load, nothing else is tried);
+  2. pallas_kernels/cpu/_ferry_cpu_attention.so, built by the package's own build (setup.py) on
+     `pip install .` and `pip install -e .`;
+  3. a copy built on first use into $FERRY_CACHE_DIR (default ~/.cache/ferry), when (2) is missing
+     or was built from another version of paged_attention.cc, a C++ compiler is found and
+     $FERRY_NATIVE_AUTOBUILD is not "0". `python -m pallas_kernels.native --build` builds (2) by
+     hand; `--check` reports which library loads.
+
+Each library carries the hash of the source it was compiled from, so an edited .cc is never
+served by a stale build, and the jaxlib version whose FFI headers it saw: one built against a
+newer jaxlib than the running one is refused too (XLA takes handlers built with older headers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_log = logging.getLogger(__name__)
+
+_HERE = Path(__file__).resolve().parent
+SOURCE = _HERE / "cpu" / "paged_attention.cc"
+LIBRARY_NAME = "_ferry_cpu_attention.so"
+PACKAGE_LIBRARY = _HERE / "cpu" / LIBRARY_NAME
+
+DECODE_TARGET = "ferry_paged_decode_attention"
+PREFILL_TARGET = "ferry_paged_prefill_attention"
+ABI_VERSION = 1  # FerryPagedAttentionAbiVersion() in the .cc
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def source_hash(source: Path = SOURCE) -> str:
+    return hashlib.sha256(Path(source).read_bytes()).hexdigest()[:16]
+
+
+def find_compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def compile_flags(machine: str | None = None, *, legacy: bool = False) -> list[str]:
+    """Portable flags: no -march=native (wheels travel). On x86-64 the baseline is x86-64-v2 and
+    the hot loops carry an AVX2/FMA clone picked at load time (target_clones in the source).
+    `legacy`: the same baseline spelled for compilers older than GCC 12, without the clones."""
+    machine = (machine or platform.machine()).lower()
+    flags = ["-std=c++17", "-O3", "-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp-simd",
+             "-fno-math-errno", "-Wall", "-Wno-psabi"]
+    if machine in ("x86_64", "amd64"):
+        flags += (["-msse4.2", "-mpopcnt", "-DFERRY_NO_TARGET_CLONES"] if legacy
+                  else ["-march=x86-64-v2"])
+    if sys.platform.startswith("linux"):
+        # Self-contained (no newer libstdc++ needed where the wheel lands, its symbols kept
+        # private), unused code dropped and stripped: ~0.8 MB.
+        flags += ["-static-libstdc++", "-static-libgcc", "-Wl,--exclude-libs,ALL",
+                  "-ffunction-sections", "-fdata-sections", "-Wl,--gc-sections", "-s"]
+    return flags
+
+
+def compile_command(output: Path, *, include_dir: str | None = None, cxx: str | None = None,
+                    source: Path = SOURCE, legacy: bool = False) -> list[str]:
+    cxx = cxx or find_compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    if include_dir is None:
+        include_dir, headers_version = jax.ffi.include_dir(), _jaxlib_version()
+    else:
+        headers_version = "unknown"
+    return [cxx, *compile_flags(legacy=legacy), "-isystem", str(include_dir),
+            f'-DFERRY_SOURCE_HASH="{source_hash(source)}"',
+            f'-DFERRY_JAXLIB_VERSION="{headers_version}"', str(source), "-o", str(output)]
+
+
+def _jaxlib_version() -> str:
+    import jaxlib
+    return jaxlib.__version__
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def build(output: Path | str = PACKAGE_LIBRARY, *, include_dir: str | None = None,
+          cxx: str | None = None, verbose: bool = False) -> Path:
+    """Compiles paged_attention.cc into `output` (atomically: a half-written library never loads)."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=output.name + ".", suffix=".tmp", dir=output.parent)
+    os.close(fd)
+    try:
+        errors = []
+        for legacy in (False, True):  # the second try only matters for old compilers
+            cmd = compile_command(Path(tmp), include_dir=include_dir, cxx=cxx, legacy=legacy)
+            if verbose:
+                print(" ".join(cmd), flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode == 0:
+                break
+            errors.append(f"{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        else:
+            raise RuntimeError(f"compiling {SOURCE.name} failed:\n" + "\n".join(errors))
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, output)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return output
+
+
+def cache_dir() -> Path:
+    if os.environ.get("FERRY_CACHE_DIR"):
+        return Path(os.environ["FERRY_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ferry"
+
+
+def cached_library_path() -> Path:
+    # The FFI headers come from jaxlib: key the cache on its version too.
+    return cache_dir() / f"_ferry_cpu_attention-{source_hash()}-jaxlib{_jaxlib_version()}.so"
+
+
+# ----------------------------------------------------------------------------- loading
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib", "path", "reason"
+
+
+def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
+    """(library, "") or (None, why not)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"cannot load {path}: {e}"
+    try:
+        lib.FerryPagedAttentionAbiVersion.restype = ctypes.c_int
+        lib.FerryPagedAttentionSourceHash.restype = ctypes.c_char_p
+        lib.FerryPagedAttentionJaxlibVersion.restype = ctypes.c_char_p
+        abi = lib.FerryPagedAttentionAbiVersion()
+        built_from = lib.FerryPagedAttentionSourceHash().decode()
+        headers = lib.FerryPagedAttentionJaxlibVersion().decode()
+        lib.FerryPagedDecodeAttention, lib.FerryPagedPrefillAttention  # noqa: B018 (must exist)
+    except AttributeError as e:
+        return None, f"{path} is not a Ferry attention library: {e}"
+    if abi != ABI_VERSION:
+        return None, f"{path} has ABI {abi}, this module needs {ABI_VERSION}"
+    if SOURCE.exists() and built_from != source_hash():
+        return None, f"{path} was built from another version of {SOURCE.name} (stale build)"
+    if headers != "unknown" and _version_tuple(headers) > _version_tuple(_jaxlib_version()):
+        # XLA accepts FFI handlers built against older headers, not always newer ones.
+        return None, (f"{path} was built against jaxlib {headers}, newer than the running "
+                      f"{_jaxlib_version()}")
+    return lib, ""
+
+
+def _locate() -> tuple[ctypes.CDLL | None, Path | None, str]:
+    forced = os.environ.get("FERRY_NATIVE_ATTENTION_LIB")
+    if forced:
+        lib, why = _open(Path(forced))
+        return lib, Path(forced), why
+    reasons = []
+    for path in (PACKAGE_LIBRARY, cached_library_path() if SOURCE.exists() else None):
+        if path is not None and path.exists():
+            lib, why = _open(path)
+            if lib is not None:
+                return lib, path, ""
+            reasons.append(why)
+    if not reasons:
+        reasons.append(f"{PACKAGE_LIBRARY} is not built")
+    if os.environ.get("FERRY_NATIVE_AUTOBUILD", "1") == "0":
+        return None, None, "; ".join(reasons + ["auto-build disabled (FERRY_NATIVE_AUTOBUILD=0)"])
+    if not SOURCE.exists():
+        return None, None, "; ".join(reasons + [f"{SOURCE} is missing, cannot build"])
+    if find_compiler() is None:
+        return None, None, "; ".join(reasons + ["no C++ compiler to build it (set CXX)"])
+    target = cached_library_path()
+    _log.info("building the native attention library into %s", target)
+    try:
+        build(target)
+    except Exception as e:  # noqa: BLE001 (any failure means: not available)
+        return None, None, "; ".join(reasons + [f"auto-build failed: {e}"])
+    lib, why = _open(target)
+    return lib, target, why
+
+
+def _load() -> dict:
+    with _lock:
+        if not _state:
+            if jax.default_backend() != "cpu" and not _cpu_backend_exists():
+                _state.update(lib=None, path=None, reason="no CPU backend")
+                return _state
+            lib, path, reason = _locate()
+            if lib is not None:
+                for name, fn in ((DECODE_TARGET, lib.FerryPagedDecodeAttention),
+                                 (PREFILL_TARGET, lib.FerryPagedPrefillAttention)):
+                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
+            else:
+                _log.warning("native CPU paged attention unavailable (using the reference): %s",
+                             reason)
+            _state.update(lib=lib, path=path, reason=reason)
+        return _state
+
+
+def _cpu_backend_exists() -> bool:
+    try:
+        return bool(jax.devices("cpu"))
+    except RuntimeError:
+        return False
+
+
+def available() -> bool:
+    """True when the native library is loaded and registered (built on first use if needed)."""
+    return _load()["lib"] is not None
+
+
+def unavailable_reason() -> str:
+    """Why available() is False ("" when it is True)."""
+    return _load()["reason"]
+
+
+def library_path() -> Path | None:
+    return _load()["path"]
+
+
+def supports(q_dtype, page_dtype) -> bool:
+    """Whether the native kernels take these dtypes (q and pages must match: no cache copy)."""
+    return jnp.dtype(q_dtype) == jnp.dtype(page_dtype) and jnp.dtype(q_dtype) in SUPPORTED_DTYPES
+
+
+# ----------------------------------------------------------------------------- the calls
+
+
+def _check(q, k_pages, v_pages):
+    if not available():
+        raise RuntimeError(f"native CPU paged attention unavailable: {unavailable_reason()}")
+    if not (supports(q.dtype, k_pages.dtype) and k_pages.dtype == v_pages.dtype):
+        raise ValueError(f"native paged attention takes float32 or bfloat16 q and pages of one "
+                         f"dtype, got q {q.dtype}, k {k_pages.dtype}, v {v_pages.dtype}")
+
+
+def _attrs(scale, soft_cap):
+    # soft_cap 0 means "no cap" to the kernel.
+    return dict(scale=np.float32(scale), soft_cap=np.float32(0.0 if soft_cap is None else soft_cap))
+
+
+def paged_decode_attention_native(q, k_pages, v_pages, block_tables, context_lens, *, scale,
+                                  soft_cap=None):
+    """One query token per sequence: q [S, Hq, D] -> [S, Hq, D] (reference semantics)."""
+    _check(q, k_pages, v_pages)
+    call = jax.ffi.ffi_call(DECODE_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            vmap_method="sequential")
+    return call(q, k_pages, v_pages, jnp.asarray(block_tables, jnp.int32),
+                jnp.asarray(context_lens, jnp.int32), **_attrs(scale, soft_cap))
+
+
+def paged_prefill_attention_native(q, k_pages, v_pages, block_tables, context_lens,
+                                   query_start_loc, *, scale, soft_cap=None):
+    """Flat query tokens of several sequences: q [T, Hq, D] -> [T, Hq, D] (reference semantics)."""
+    _check(q, k_pages, v_pages)
+    call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            vmap_method="sequential")
+    return call(q, k_pages, v_pages, jnp.asarray(block_tables, jnp.int32),
+                jnp.asarray(context_lens, jnp.int32), jnp.asarray(query_start_loc, jnp.int32),
+                **_attrs(scale, soft_cap))
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pallas_kernels.native", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build", action="store_true", help=f"compile into {PACKAGE_LIBRARY}")
+    parser.add_argument("--output", type=Path, default=PACKAGE_LIBRARY, help="with --build")
+    parser.add_argument("--check", action="store_true", help="load the library, say which")
+    args = parser.parse_args(argv)
+    if not (args.build or args.check):
+        parser.error("nothing to do: pass --build and/or --check")
+    if args.build:
+        print(f"built {build(args.output, verbose=True)}")
+    if args.check:
+        if not available():
+            print(f"native attention UNAVAILABLE: {unavailable_reason()}")
+            return 1
+        print(f"native attention available: {library_path()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+#!/usr/bin/env python
+"""Check Ferry's paged-attention kernels on a GPU: correctness against the references, timing,
+and bandwidth against the device's own copy bandwidth measured in the same run.
+
+  python scripts/gpu_check.py                      # real sizes (H200: well under 5 minutes)
+  python scripts/gpu_check.py --json_out out.json  # also write the results as JSON
+  python scripts/gpu_check.py --smoke              # tiny shapes, interpret mode, any backend
+
+Cases (defaults): decode with batch 64, 32 query / 8 KV heads, head_dim 128, bf16, block 16, at
+mixed contexts up to 4k and at 4k for all; a small-batch long-context decode (split-K); chunked
+prefill of 512-token chunks behind cached prefixes, and fresh 1k prompts. --smoke runs three of
+them (mixed decode, split-K decode with 2 splits forced, prefill behind prefix). Every cache slot no
+sequence owns is NaN (and unused block-table entries point at the NaN null block), so a kernel
+that reads past a context shows up as a mismatch.
+
+Timing is device-synchronised: after a compile + warm-up call, each trial launches `--inner`
+calls back to back and waits for the last with jax.block_until_ready; the median per-call time
+over `--trials` trials is reported. "bytes read" is the least HBM traffic the op needs (each
+attended K/V token once per KV head, plus q and the block tables); GB/s is that over the time,
+and "% copy" compares it with a jitted 1 GiB device-to-device copy (read + write bytes / time).
+Exits 1 if any kernel disagrees with its reference.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels.paged_attention import paged_decode_attention  # noqa: E402
+from pallas_kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from pallas_kernels.reference import (  # noqa: E402
+    paged_decode_attention_ref, paged_prefill_attention_ref)
+
+TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-5}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes in Pallas interpret mode (CPU is fine); a few seconds")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--q_heads", type=int, default=32)
+    p.add_argument("--kv_heads", type=int, default=8)
+    p.add_argument("--head_dim", type=int, default=128)
+    p.add_argument("--block_size", type=int, default=16)
+    p.add_argument("--max_context", type=int, default=4096)
+    p.add_argument("--split_batch", type=int, default=4, help="batch of the split-K decode case")
+    p.add_argument("--prefill_seqs", type=int, default=8)
+    p.add_argument("--prefill_chunk", type=int, default=512)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(TOLERANCE))
+    p.add_argument("--soft_cap", type=float, default=None)
+    p.add_argument("--trials", type=int, default=15)
+    p.add_argument("--inner", type=int, default=10, help="back-to-back calls per timed trial")
+    p.add_argument("--copy_gib", type=float, default=1.0, help="size of the copy-bandwidth array")
+    p.add_argument("--seed", type=int, default=None, help="default: fresh, printed")
+    p.add_argument("--json_out", default=None)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.batch, args.q_heads, args.kv_heads, args.head_dim = 3, 4, 2, 32
+        args.block_size, args.max_context, args.split_batch = 8, 40, 2
+        args.prefill_seqs, args.prefill_chunk = 2, 6
+        args.trials, args.inner, args.copy_gib = 3, 1, 1 / 128
+    return args
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_cache(rng, key, context_lens, *, block_size, num_kv_heads, head_dim, dtype):
+    """Random K/V pages for the given contexts, shuffled block tables; unowned slots are NaN."""
+    pages = [-(-int(c) // block_size) for c in context_lens]
+    width = max(pages)
+    num_blocks = 1 + sum(pages)
+    ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
+    tables = np.zeros((len(pages), width), np.int32)  # unused entries -> null block 0 (NaN)
+    valid = np.zeros((num_blocks, block_size), bool)
+    start = 0
+    for s, (ctx, n) in enumerate(zip(context_lens, pages)):
+        own = ids[start:start + n]
+        start += n
+        tables[s, :n] = own
+        valid[own] = True
+        if n and ctx % block_size:
+            valid[own[-1], ctx % block_size:] = False
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k, v = _random_pages(key, jnp.asarray(valid), shape, jnp.dtype(dtype))
+    return k, v, jnp.asarray(tables)
+
+
+@jax.jit
+def _nan_outside(x, valid):
+    return jnp.where(valid[:, :, None, None], x, jnp.nan).astype(x.dtype)
+
+
+def _random_pages(key, valid, shape, dtype):
+    # Generated on the device: at real sizes each of K and V is ~0.5 GB.
+    kk, kv = jax.random.split(key)
+    return (_nan_outside(jax.random.normal(kk, shape, dtype), valid),
+            _nan_outside(jax.random.normal(kv, shape, dtype), valid))
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def median_time(fn, *args, trials, inner):
+    """Median seconds per call: compile + one warm-up excluded, device-synchronised."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(gib, trials, inner):
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + written."""
+    n = int(gib * 2**30) // 4
+    x = jnp.arange(n, dtype=jnp.uint32)
+    copy = jax.jit(lambda a: a + jnp.uint32(1))  # one read + one write pass over the array
+    t = median_time(copy, x, trials=trials, inner=inner)
+    return 2 * x.nbytes / t / 1e9, t
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def decode_case(name, rng, key, args, batch, context_lens, interpret, num_splits=None):
+    dtype = jnp.dtype(args.dtype)
+    k, v, tables = make_cache(rng, key, context_lens, block_size=args.block_size,
+                              num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (batch, args.q_heads, args.head_dim), dtype)
+    lens = jnp.asarray(context_lens, jnp.int32)
+    scale = args.head_dim ** -0.5
+    kernel = jax.jit(lambda *a: paged_decode_attention(
+        *a, scale=scale, soft_cap=args.soft_cap, num_splits=num_splits, interpret=interpret))
+    ref = jax.jit(lambda *a: paged_decode_attention_ref(*a, scale=scale, soft_cap=args.soft_cap))
+    operands = (q, k, v, tables, lens)
+    itemsize = dtype.itemsize
+    kv_bytes = 2 * int(np.sum(context_lens)) * args.kv_heads * args.head_dim * itemsize
+    bytes_read = kv_bytes + q.nbytes + tables.nbytes + lens.nbytes
+    flops = 4 * int(np.sum(context_lens)) * args.q_heads * args.head_dim
+    shape = (f"B={batch} Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} "
+             f"bs={args.block_size} ctx<={max(context_lens)}")
+    return run_case(name, shape, kernel, ref, operands, bytes_read, flops, args)
+
+
+def prefill_case(name, rng, key, args, prefixes, chunks, interpret):
+    dtype = jnp.dtype(args.dtype)
+    context_lens = [int(p + c) for p, c in zip(prefixes, chunks)]
+    k, v, tables = make_cache(rng, key, context_lens, block_size=args.block_size,
+                              num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype)
+    num_tokens = int(np.sum(chunks))
+    q = jax.random.normal(jax.random.fold_in(key, 1), (num_tokens, args.q_heads, args.head_dim),
+                          dtype)
+    lens = jnp.asarray(context_lens, jnp.int32)
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(chunks)]), jnp.int32)
+    scale = args.head_dim ** -0.5
+    kernel = jax.jit(lambda *a: paged_prefill_attention(
+        *a, scale=scale, soft_cap=args.soft_cap, interpret=interpret))
+    ref = jax.jit(lambda *a: paged_prefill_attention_ref(*a, scale=scale, soft_cap=args.soft_cap))
+    operands = (q, k, v, tables, lens, qsl)
+    kv_bytes = 2 * int(np.sum(context_lens)) * args.kv_heads * args.head_dim * dtype.itemsize
+    bytes_read = kv_bytes + q.nbytes + tables.nbytes
+    # Causal: row i of a chunk behind `prefix` cached tokens attends to prefix + i + 1 keys.
+    keys = sum(int(c) * int(p) + int(c) * (int(c) + 1) // 2 for p, c in zip(prefixes, chunks))
+    flops = 4 * keys * args.q_heads * args.head_dim
+    shape = (f"T={num_tokens} S={len(chunks)} Hq={args.q_heads} Hkv={args.kv_heads} "
+             f"D={args.head_dim} bs={args.block_size} ctx<={max(context_lens)}")
+    return run_case(name, shape, kernel, ref, operands, bytes_read, flops, args)
+
+
+def run_case(name, shape, kernel, ref, operands, bytes_read, flops, args):
+    out = np.asarray(jax.block_until_ready(kernel(*operands)), np.float32)
+    expected = np.asarray(jax.block_until_ready(ref(*operands)), np.float32)
+    scale = max(float(np.abs(expected).max()), 1e-6)
+    finite = bool(np.isfinite(out).all())
+    err = float(np.abs(out - expected).max()) / scale if finite else float("inf")
+    ok = finite and err <= TOLERANCE[args.dtype]
+    t_kernel = median_time(kernel, *operands, trials=args.trials, inner=args.inner)
+    t_ref = median_time(ref, *operands, trials=args.trials, inner=args.inner)
+    return dict(kernel=name, shape=shape, ok=ok, max_rel_err=err, kernel_ms=t_kernel * 1e3,
+                reference_ms=t_ref * 1e3, speedup=t_ref / t_kernel, bytes_read=int(bytes_read),
+                gb_per_s=bytes_read / t_kernel / 1e9, tflop_per_s=flops / t_kernel / 1e12)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def print_table(rows, copy_gbs):
+    header = (f"{'kernel':<22} {'shape':<52} {'kernel ms':>10} {'ref ms':>10} {'speedup':>8} "
+              f"{'MB read':>9} {'GB/s':>8} {'% copy':>7} {'TFLOP/s':>8} {'rel err':>9} ok")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['kernel']:<22} {r['shape']:<52} {r['kernel_ms']:>10.4f} "
+              f"{r['reference_ms']:>10.4f} {r['speedup']:>7.1f}x {r['bytes_read'] / 1e6:>9.2f} "
+              f"{r['gb_per_s']:>8.1f} {r['pct_copy_bw']:>6.1f}% {r['tflop_per_s']:>8.3f} "
+              f"{r['max_rel_err']:>9.2e} {'yes' if r['ok'] else 'NO'}")
+    print(f"device-to-device copy bandwidth: {copy_gbs:.1f} GB/s (read + write)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
+    interpret = args.smoke
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+          f"seed {seed}, {'interpret mode' if interpret else 'Triton'}", flush=True)
+    rng = np.random.default_rng(seed)
+    key = jax.random.key(seed)
+    t_start = time.perf_counter()
+
+    copy_gbs, copy_s = copy_bandwidth(args.copy_gib, args.trials, args.inner)
+    bs, max_ctx = args.block_size, args.max_context
+    rows = []
+    mixed = rng.integers(1, max_ctx + 1, size=args.batch)
+    rows.append(decode_case("decode mixed ctx", rng, jax.random.fold_in(key, 10), args,
+                            args.batch, mixed, interpret))
+    if not args.smoke:
+        rows.append(decode_case("decode full ctx", rng, jax.random.fold_in(key, 11), args,
+                                args.batch, [max_ctx] * args.batch, interpret))
+    # Few sequences: split-K (chosen automatically on GPU; forced in interpret mode).
+    rows.append(decode_case("decode split-K", rng, jax.random.fold_in(key, 12), args,
+                            args.split_batch, [max_ctx] * args.split_batch, interpret,
+                            num_splits=2 if interpret else None))
+    chunk = args.prefill_chunk
+    prefixes = rng.integers(0, max(1, max_ctx - chunk), size=args.prefill_seqs)
+    rows.append(prefill_case("prefill behind prefix", rng, jax.random.fold_in(key, 13), args,
+                             prefixes, [chunk] * args.prefill_seqs, interpret))
+    if not args.smoke:
+        fresh = max(1, args.prefill_seqs // 2)
+        rows.append(prefill_case("prefill fresh prompts", rng, jax.random.fold_in(key, 14), args,
+                                 [0] * fresh, [2 * chunk] * fresh, interpret))
+    for r in rows:
+        r["pct_copy_bw"] = 100.0 * r["gb_per_s"] / copy_gbs
+
+    print_table(rows, copy_gbs)
+    elapsed = time.perf_counter() - t_start
+    all_ok = all(r["ok"] for r in rows)
+    print(f"{'all kernels match their references' if all_ok else 'MISMATCH'} "
+          f"({elapsed:.1f} s)", flush=True)
+    if args.json_out:
+        result = dict(device=device.device_kind, backend=jax.default_backend(),
+                      jax_version=jax.__version__, seed=seed, interpret=interpret,
+                      args=vars(args), copy_gb_per_s=copy_gbs, copy_ms=copy_s * 1e3,
+                      cases=rows, all_ok=all_ok, elapsed_s=elapsed)
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

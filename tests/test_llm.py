@@ -1,0 +1,161 @@
+"""The user-facing engine: LLM.generate against transformers, seeds, logprobs, n > 1, stop strings, bad input."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from engine.engine import LLM, EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from hf_models import ARCHS, check_greedy_match, hf_greedy, hf_logits, make_hf_model
+from models.loading import load_model
+from models.tokenizer import load_tokenizer
+from tokenizer_fixtures import write_byte_level_bpe_dir
+
+CONFIG = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=128)
+
+
+def _fresh_seed():
+    return int(np.random.SeedSequence().entropy % 2**31)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_greedy_generate_matches_transformers(arch, tmp_path):
+    seed = _fresh_seed()
+    torch_model = make_hf_model(arch, tmp_path, seed=seed)
+    llm = LLM(str(tmp_path), EngineConfig(**CONFIG))
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 384, size=n).tolist() for n in (3, 11, 29, 50)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        ref, ref_logits = hf_greedy(torch_model, prompt, 24)
+        tie = check_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+        if tie:
+            print(f"{arch} (seed {seed}): accepted {tie}")
+        assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama")
+    seed = _fresh_seed()
+    return seed, make_hf_model("llama3", out, seed=seed), load_model(str(out))
+
+
+def test_seeded_request_same_alone_and_in_busy_batch_with_preemption(llama):
+    seed, _, loaded = llama
+    rng = np.random.default_rng(seed)
+    target = rng.integers(3, 384, size=20).tolist()
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=30, ignore_eos=True)
+    alone = LLM(loaded, EngineConfig(**CONFIG)).generate([target], params, use_tqdm=False)[0]
+    busy = LLM(loaded, EngineConfig(**{**CONFIG, "num_blocks": 14}))
+    others = [rng.integers(3, 384, size=int(rng.integers(5, 40))).tolist() for _ in range(8)]
+    other_params = [SamplingParams(temperature=1.0, max_tokens=int(rng.integers(10, 40)), ignore_eos=True)
+                    for _ in others]
+    outputs = busy.generate(others[:4] + [target] + others[4:], other_params[:4] + [params] + other_params[4:],
+                            use_tqdm=False)
+    assert busy.engine.scheduler.stats()["preemptions"]["swap"] > 0
+    assert outputs[4].outputs[0].token_ids == alone.outputs[0].token_ids
+    different_seed = LLM(loaded, EngineConfig(**CONFIG)).generate(
+        [target], SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=99, max_tokens=30, ignore_eos=True),
+        use_tqdm=False)[0]
+    assert different_seed.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_logprobs_match_reference_log_softmax(llama):
+    seed, torch_model, loaded = llama
+    prompt = np.random.default_rng(seed).integers(3, 384, size=15).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True)
+    out = LLM(loaded, EngineConfig(**CONFIG)).generate([prompt], params, use_tqdm=False)[0]
+    tokens = out.outputs[0].token_ids
+    ref = torch.log_softmax(torch.tensor(hf_logits(torch_model, prompt + tokens)), dim=-1).numpy()
+    for i, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(entry[token] - row[token]) < 1e-4
+        top = np.argsort(-row)[:5]
+        assert set(top.tolist()) <= set(entry)
+        for t in top:
+            assert abs(entry[int(t)] - row[t]) < 1e-4
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[pos][prompt[pos]] - ref[pos - 1][prompt[pos]]) < 1e-4
+
+
+def test_n_samples_share_the_prompt_and_match_single_runs(llama):
+    """n=3 with seed s gives samples seeded s, s+1, s+2: each equals that seed run alone, though samples
+    1 and 2 were forked off sample 0's cached prompt blocks."""
+    seed, _, loaded = llama
+    prompt = np.random.default_rng(seed).integers(3, 384, size=37).tolist()
+    base = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(loaded, EngineConfig(**CONFIG))
+    engine = llm.engine
+    engine.add_request("r", prompt, SamplingParams(n=3, seed=7, **base))
+    shared = 0
+    while engine.has_unfinished():
+        engine.step()
+        refs = [engine.scheduler.block_pool.ref_count(b) for b in range(1, engine.scheduler.block_pool.num_total + 1)]
+        shared = max(shared, max(refs))
+    assert shared == 3, "the three samples should hold the same full prompt blocks"
+    singles = [llm.generate([prompt], SamplingParams(seed=7 + i, **base), use_tqdm=False)[0].outputs[0].token_ids
+               for i in range(3)]
+    together = llm.generate([prompt], SamplingParams(n=3, seed=7, **base), use_tqdm=False)[0]
+    assert [o.index for o in together.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in together.outputs] == singles
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    """A random llama whose vocabulary is a byte-level BPE tokenizer's, with the tokenizer files beside it."""
+    tok_dir = write_byte_level_bpe_dir(tmp_path_factory.mktemp("tok"))
+    vocab = load_tokenizer(str(tok_dir)).vocab_size
+    model_dir = tmp_path_factory.mktemp("model")
+    make_hf_model("llama3", model_dir, seed=_fresh_seed(), vocab_size=vocab, bos_token_id=0, eos_token_id=2,
+                  pad_token_id=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, model_dir / name)
+    return str(model_dir)
+
+
+def test_stop_strings_and_streamed_text(text_model):
+    llm = LLM(text_model, EngineConfig(**CONFIG))
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = llm.generate(["hello world"], greedy, use_tqdm=False)[0].outputs[0]
+    tok = llm.tokenizer
+    assert full.text == tok.decode(tok.encode("hello world") + full.token_ids)[len(tok.decode(tok.encode("hello world"))):]
+    # A stop string spanning a token boundary somewhere in the middle of the text.
+    pieces = [tok.decode(tok.encode("hello world") + full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
+    cut = len(full.token_ids) // 2
+    boundary = len(pieces[cut]) - len(pieces[0])
+    stop = full.text[boundary - 2:boundary + 2]
+    assert len(stop) == 4 and stop in full.text
+    out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:full.text.index(stop)]
+    # Streamed deltas concatenate to the final text.
+    engine = llm.engine
+    rid = engine.add_request(None, "hello world", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                                  stop=[stop]))
+    streamed = ""
+    while engine.has_unfinished():
+        for delta in engine.step():
+            assert delta.request_id == rid
+            streamed += delta.outputs[0].text
+    assert streamed == out.text
+
+
+def test_bad_input_fails_at_submission_naming_the_field(llama):
+    _, _, loaded = llama
+    engine = LLMEngine(loaded, EngineConfig(**CONFIG, max_model_len=64))
+    with pytest.raises(SamplingParamsError, match="top_p") as e:
+        SamplingParams(top_p=0.0)
+    assert e.value.field == "top_p"
+    with pytest.raises(SamplingParamsError, match="max_model_len") as e:
+        engine.add_request(None, list(range(3, 70)), SamplingParams())
+    assert e.value.field == "prompt"
+    with pytest.raises(SamplingParamsError, match="vocabulary"):
+        engine.add_request(None, [5, 10_000], SamplingParams())
+    with pytest.raises(SamplingParamsError, match="empty"):
+        engine.add_request(None, [], SamplingParams())
+    assert not engine.has_unfinished() and engine.scheduler.block_pool.num_used == 0
