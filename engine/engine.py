@@ -7,10 +7,12 @@ incrementally (stop strings included) and returns per-request deltas.
 
 import dataclasses
 import math
+import os
 import random
 import time
 from collections.abc import Sequence
 
+import jax
 from tqdm.auto import tqdm
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -101,10 +103,22 @@ class _Group:
         return not self.unforked and all(s.request.is_finished for s in self.samples)
 
 
+def enable_compilation_cache():
+    """JAX's persistent compilation cache, so start-up compiles are paid once per machine. The
+    directory comes from FERRY_COMPILATION_CACHE (default ~/.cache/ferry/jax); "0" turns it off
+    (the tests do, so a compile-count regression cannot hide behind a warm cache)."""
+    path = os.environ.get("FERRY_COMPILATION_CACHE", os.path.expanduser("~/.cache/ferry/jax"))
+    if path == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 class LLMEngine:
     def __init__(self, model: LoadedModel | str, config: EngineConfig | None = None,
                  tokenizer: Tokenizer | None = None):
         config = config or EngineConfig()
+        enable_compilation_cache()
         if isinstance(model, str):
             model = load_model(model, config.dtype)
         if tokenizer is None and model.path is not None:

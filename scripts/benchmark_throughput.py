@@ -1,0 +1,459 @@
+"""Offline throughput of Ferry against request-level batching and Hugging Face transformers (as
+vLLM's `bench throughput`).
+
+Every backend runs the same seeded workload on the same checkpoint, greedy with EOS ignored, so each
+request generates exactly its output length:
+
+  ferry          every request through LLMEngine's continuous batching at once.
+  ferry-static   the same engine fed --static_batch requests at a time; the next batch starts only
+                 when all of the previous one are done (request-level batching, no joins mid-batch).
+  transformers   `model.generate` on left-padded batches of --static_batch prompts, max_new_tokens =
+                 the batch's longest output, EOS disabled; only each request's own output tokens
+                 count. Torch uses --torch_threads (default: all cores).
+
+Static batches are consecutive requests in workload order (random lengths, so each batch waits on
+its longest member; --static_sort groups similar prompt lengths instead).
+
+Backends are warmed up first (excluded from timing, reported), then interleaved round-robin over
+--repeats (rep 1: a, b, c; rep 2: a, b, c; ...), so slow drift of the machine hits all of them
+alike; the table quotes the median of the repeats and the ratios between backends. Warm-up times:
+the second Ferry engine reuses the first one's in-process compilations, and LLMEngine's persistent
+compilation cache makes any later launch's warm-up short (FERRY_COMPILATION_CACHE=0 for cold ones).
+
+Per timed Ferry run it also records the XLA compilations (0 if warm-up covered every shape), the
+host share of step time (scheduler + packing + postprocessing; the rest is the jitted call),
+preemptions and the peak KV-cache usage (sampled after every step). The single-request row times one
+request (--single_prompt_len / --single_output_len) alone on ferry and transformers: time to the
+first token and ms per output token, from Ferry's first delta and a transformers streamer.
+
+A random Llama (--layers/--hidden/...) is saved with transformers' save_pretrained when the
+transformers backend is compared, and Ferry loads that same directory; otherwise Ferry builds it
+directly. --model=DIR runs a Hugging Face (or, without transformers, a Ferry) checkpoint.
+
+    python scripts/benchmark_throughput.py --compare=ferry,ferry-static,transformers --repeats=3 \
+        --num_prompts=200 --json_out=throughput.json
+"""
+
+import dataclasses
+import os
+import tempfile
+import time
+
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+import bench_common as bc
+from engine.engine import EngineConfig, LLMEngine
+from engine.runner import CompileCounter
+from engine.sampling_params import SamplingParams
+from models.config import ModelConfig
+from models.loading import FERRY_CONFIG, LoadedModel, load_model, random_model
+
+BACKENDS = ("ferry", "ferry-static", "transformers")
+
+FLAGS = flags.FLAGS
+# workload
+flags.DEFINE_integer("num_prompts", 100, "requests in the workload")
+flags.DEFINE_string("prompt_len_range", "32,512", "random prompt lengths: lo,hi (inclusive)")
+flags.DEFINE_string("output_len_range", "32,256", "output lengths: lo,hi (inclusive)")
+flags.DEFINE_string("dataset", None, 'JSONL of {"prompt": str, "output_len": int (optional)}; '
+                    "needs --model with a tokenizer")
+flags.DEFINE_integer("seed", 0, "workload and random-model seed")
+# model
+flags.DEFINE_string("model", None, "checkpoint directory (Hugging Face or Ferry); default: a random Llama")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "model dtype (both backends)")
+flags.DEFINE_integer("layers", 4, "random model: layers")
+flags.DEFINE_integer("hidden", 256, "random model: hidden size")
+flags.DEFINE_integer("heads", 8, "random model: attention heads")
+flags.DEFINE_integer("kv_heads", 4, "random model: key/value heads")
+flags.DEFINE_integer("vocab", 32000, "random model: vocabulary size")
+flags.DEFINE_integer("intermediate", 1024, "random model: MLP intermediate size")
+# backends
+flags.DEFINE_enum("backend", "ferry", BACKENDS, "the backend to run (without --compare)")
+flags.DEFINE_list("compare", None, f"run several backends, interleaved: any of {','.join(BACKENDS)}")
+flags.DEFINE_integer("repeats", 3, "timed runs per backend (round-robin over the backends)")
+flags.DEFINE_integer("static_batch", 16, "requests per batch for ferry-static and transformers")
+flags.DEFINE_bool("static_sort", False, "sort requests by prompt length before cutting static batches")
+# Ferry engine
+flags.DEFINE_integer("max_num_seqs", 64, "EngineConfig.max_num_seqs")
+flags.DEFINE_integer("max_num_batched_tokens", 512, "EngineConfig.max_num_batched_tokens")
+flags.DEFINE_integer("block_size", 16, "EngineConfig.block_size")
+flags.DEFINE_integer("num_blocks", None, "EngineConfig.num_blocks (default: from --memory_fraction)")
+flags.DEFINE_float("memory_fraction", 0.5, "EngineConfig.memory_fraction")
+flags.DEFINE_integer("chunk_size", None, "EngineConfig.chunk_size (prefill chunk cap)")
+flags.DEFINE_integer("max_model_len", None, "EngineConfig.max_model_len (default: the longest request)")
+# transformers
+flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads; 0: all cores")
+flags.DEFINE_string("torch_device", "cpu", "device for the transformers backend")
+# single-request latency
+flags.DEFINE_bool("single_request", True, "also time one request alone (ferry and transformers)")
+flags.DEFINE_integer("single_prompt_len", 128, "single request: prompt tokens")
+flags.DEFINE_integer("single_output_len", 128, "single request: output tokens")
+flags.DEFINE_string("json_out", None, "write every result here")
+
+
+@dataclasses.dataclass(slots=True)
+class Run:
+    """One timed pass of a backend over the whole workload."""
+
+    elapsed_s: float
+    produced: list[int]              # output tokens each request got (counted per request)
+    extras: dict = dataclasses.field(default_factory=dict)
+
+
+def run_metrics(run: Run, requests: list[bc.BenchRequest]) -> dict:
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    output_tokens = sum(run.produced)
+    complete = all(p == r.output_len for p, r in zip(run.produced, requests))
+    return {"elapsed_s": run.elapsed_s, "requests": len(requests), "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens, "all_outputs_complete": complete,
+            "requests_per_s": len(requests) / run.elapsed_s, "output_tokens_per_s": output_tokens / run.elapsed_s,
+            "total_tokens_per_s": (prompt_tokens + output_tokens) / run.elapsed_s, **run.extras}
+
+
+def static_batches(requests: list[bc.BenchRequest], size: int, sort: bool) -> list[list[int]]:
+    """Request indices cut into consecutive batches of `size` (by prompt length if `sort`)."""
+    order = sorted(range(len(requests)), key=lambda i: requests[i].prompt_len) if sort else list(range(len(requests)))
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def greedy_params(output_len: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+
+# ------------------------------------------------------------------ Ferry
+
+class FerryBackend:
+    """LLMEngine, continuous (batch_size None: everything at once) or request-level batched."""
+
+    def __init__(self, name: str, model: LoadedModel, config: EngineConfig, batch_size: int | None):
+        self.name, self.batch_size = name, batch_size
+        self.engine = LLMEngine(model, config)
+
+    def warmup(self) -> float:
+        return self.engine.warmup(sampling=False)  # greedy only: the sampler this workload uses
+
+    def run(self, requests: list[bc.BenchRequest]) -> Run:
+        engine = self.engine
+        batches = ([list(range(len(requests)))] if self.batch_size is None
+                   else static_batches(requests, self.batch_size, FLAGS.static_sort))
+        params = [greedy_params(r.output_len) for r in requests]
+        before = self._counters()
+        produced, peak_kv = [0] * len(requests), 0.0
+        t0 = time.perf_counter()
+        for batch in batches:
+            index = {engine.add_request(None, requests[i].prompt_ids, params[i]): i for i in batch}
+            while engine.has_unfinished():
+                for delta in engine.step():
+                    produced[index[delta.request_id]] += sum(len(o.token_ids) for o in delta.outputs)
+                peak_kv = max(peak_kv, engine.scheduler.stats()["kv_usage"])
+        elapsed = time.perf_counter() - t0
+        return Run(elapsed, produced, self._extras(before, self._counters(), peak_kv))
+
+    def _counters(self) -> dict:
+        engine = self.engine
+        return {**engine.step_times, **engine.runner.timings, "compiles": CompileCounter.count,
+                "preemptions": sum(engine.scheduler.stats()["preemptions"].values())}
+
+    @staticmethod
+    def _extras(before: dict, after: dict, peak_kv: float) -> dict:
+        d = {k: after[k] - before[k] for k in after}
+        step_s = d["schedule_s"] + d["execute_s"] + d["postprocess_s"]
+        host_s = d["schedule_s"] + d["pack_s"] + d["postprocess_s"]  # the rest of execute is the jitted call
+        return {"steps": d["steps"], "compiles": d["compiles"], "preemptions": d["preemptions"],
+                "peak_kv_usage": peak_kv, "step_ms_mean": 1e3 * step_s / max(d["steps"], 1),
+                "host_share": host_s / step_s if step_s else None,
+                "device_share": d["device_s"] / step_s if step_s else None}
+
+    def single(self, prompt_ids: list[int], output_len: int) -> dict:
+        """One request alone: first-token time and per-token time, from the engine's own deltas."""
+        engine = self.engine
+        t0 = time.perf_counter()
+        engine.add_request(None, prompt_ids, greedy_params(output_len))
+        first, produced = None, 0
+        while engine.has_unfinished():
+            for delta in engine.step():
+                produced += sum(len(o.token_ids) for o in delta.outputs)
+                if first is None and produced:
+                    first = time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        return single_metrics(first, total, produced)
+
+
+def single_metrics(first_s: float, total_s: float, tokens: int) -> dict:
+    return {"ttft_ms": 1e3 * first_s, "e2e_ms": 1e3 * total_s, "output_tokens": tokens,
+            "ms_per_token": 1e3 * total_s / tokens,
+            "decode_ms_per_token": 1e3 * (total_s - first_s) / (tokens - 1) if tokens > 1 else None}
+
+
+# ------------------------------------------------------------------ transformers
+
+class TransformersBackend:
+    name = "transformers"
+
+    def __init__(self, model_dir: str, torch_dtype: str, device: str, threads: int):
+        import torch
+        import transformers
+
+        self.torch = torch
+        torch.set_num_threads(threads)
+        self.threads, self.device = threads, device
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, torch_dtype)).to(device).eval()
+        self.pad_id = self.model.config.pad_token_id or 0  # masked out: its value does not matter
+        # A fresh generation config: greedy, no EOS at all (so every row runs max_new_tokens), none of
+        # the checkpoint's sampling defaults.
+        self.model.generation_config = transformers.GenerationConfig(
+            do_sample=False, eos_token_id=None, pad_token_id=self.pad_id)
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int, streamer=None) -> int:
+        """Greedy-generate a left-padded batch; returns how many tokens each row got."""
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        with torch.inference_mode():
+            out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
+                                      max_new_tokens=max_new_tokens, min_new_tokens=0, streamer=streamer)
+        generated = out.shape[1] - width
+        if generated != max_new_tokens:
+            raise RuntimeError(f"transformers generated {generated} tokens, not {max_new_tokens}: EOS not disabled?")
+        return generated
+
+    def warmup(self) -> float:
+        t0 = time.perf_counter()
+        self._generate([[1, 2, 3], [4, 5]], 2)
+        return time.perf_counter() - t0
+
+    def run(self, requests: list[bc.BenchRequest]) -> Run:
+        produced = [0] * len(requests)
+        t0 = time.perf_counter()
+        for batch in static_batches(requests, FLAGS.static_batch, FLAGS.static_sort):
+            generated = self._generate([requests[i].prompt_ids for i in batch],
+                                       max(requests[i].output_len for i in batch))
+            for i in batch:  # the padding rows' extra tokens are not throughput
+                produced[i] = min(requests[i].output_len, generated)
+        return Run(time.perf_counter() - t0, produced, {"torch_threads": self.threads})
+
+    def single(self, prompt_ids: list[int], output_len: int) -> dict:
+        """One request alone, its first token timed by a streamer (as Ferry's by its first delta)."""
+        clock = self._token_clock()
+        t0 = time.perf_counter()
+        produced = self._generate([prompt_ids], output_len, streamer=clock)
+        total = time.perf_counter() - t0
+        return single_metrics(clock.times[1] - t0, total, produced)
+
+    @staticmethod
+    def _token_clock():
+        """A streamer that only timestamps: generate() puts the prompt, then each new token."""
+        from transformers.generation.streamers import BaseStreamer
+
+        class TokenClock(BaseStreamer):
+            def __init__(self):
+                self.times = []
+
+            def put(self, value):
+                self.times.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        return TokenClock()
+
+
+# ------------------------------------------------------------------ model and workload
+
+def random_model_config() -> ModelConfig:
+    return ModelConfig(model_type="llama", vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden,
+                       intermediate_size=FLAGS.intermediate, num_layers=FLAGS.layers, num_heads=FLAGS.heads,
+                       num_kv_heads=FLAGS.kv_heads, head_dim=FLAGS.hidden // FLAGS.heads,
+                       max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,), pad_token_id=0)
+
+
+def save_random_hf_llama(out_dir: str) -> str:
+    """The random Llama as a transformers checkpoint, so both backends load identical weights."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden, intermediate_size=FLAGS.intermediate,
+        num_hidden_layers=FLAGS.layers, num_attention_heads=FLAGS.heads, num_key_value_heads=FLAGS.kv_heads,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(FLAGS.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(getattr(torch, FLAGS.dtype))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def prepare_model(backends: list[str], scratch: str) -> tuple[LoadedModel, str | None, str]:
+    """(Ferry's model, a Hugging Face directory for transformers or None, where the model came from)."""
+    if FLAGS.model:
+        if "transformers" in backends and os.path.exists(os.path.join(FLAGS.model, FERRY_CONFIG)):
+            raise app.UsageError("the transformers backend needs a Hugging Face checkpoint, not a Ferry one")
+        return load_model(FLAGS.model, FLAGS.dtype), FLAGS.model, FLAGS.model
+    if "transformers" in backends:
+        hf_dir = save_random_hf_llama(os.path.join(scratch, "random_llama"))
+        return load_model(hf_dir, FLAGS.dtype), hf_dir, "random llama (save_pretrained)"
+    return random_model(random_model_config(), jnp.dtype(FLAGS.dtype), FLAGS.seed), None, "random llama (ferry)"
+
+
+def build_workload(model: LoadedModel) -> list[bc.BenchRequest]:
+    output_range = bc.parse_int_range(FLAGS.output_len_range)
+    if FLAGS.dataset:
+        if model.path is None:
+            raise app.UsageError("--dataset needs --model=DIR with a tokenizer")
+        from models.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(model.path)
+        return bc.dataset_requests(bc.read_jsonl_prompts(FLAGS.dataset, FLAGS.num_prompts), tokenizer.encode,
+                                   output_range, FLAGS.seed)
+    return bc.random_token_requests(FLAGS.num_prompts, bc.parse_int_range(FLAGS.prompt_len_range), output_range,
+                                    model.cfg.vocab_size, FLAGS.seed)
+
+
+def single_request_prompt(vocab_size: int) -> list[int]:
+    return np.random.default_rng(FLAGS.seed + 1).integers(0, vocab_size, FLAGS.single_prompt_len).tolist()
+
+
+def engine_config(requests: list[bc.BenchRequest]) -> EngineConfig:
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    if FLAGS.single_request:
+        longest = max(longest, FLAGS.single_prompt_len + FLAGS.single_output_len)
+    return EngineConfig(block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks,
+                        memory_fraction=FLAGS.memory_fraction, max_num_seqs=FLAGS.max_num_seqs,
+                        max_num_batched_tokens=FLAGS.max_num_batched_tokens, chunk_size=FLAGS.chunk_size,
+                        max_model_len=FLAGS.max_model_len or longest)
+
+
+def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: EngineConfig):
+    if name == "ferry":
+        return FerryBackend(name, model, config, batch_size=None)
+    if name == "ferry-static":
+        return FerryBackend(name, model, config, batch_size=FLAGS.static_batch)
+    return TransformersBackend(hf_dir, FLAGS.dtype, FLAGS.torch_device, FLAGS.torch_threads or os.cpu_count())
+
+
+# ------------------------------------------------------------------ the benchmark
+
+def time_backends(backends, requests) -> dict:
+    """Warm each backend up, then time them round-robin over the repeats."""
+    results = {}
+    for b in backends:
+        compiles = CompileCounter.count
+        results[b.name] = {"warmup_s": b.warmup(), "warmup_compiles": CompileCounter.count - compiles,
+                           "repeats": []}
+    for _ in range(FLAGS.repeats):
+        for b in backends:
+            results[b.name]["repeats"].append(run_metrics(b.run(requests), requests))
+    for name, r in results.items():
+        numeric = [k for k, v in r["repeats"][0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        r["median"] = {k: bc.median(rep[k] for rep in r["repeats"]) for k in numeric}
+        r["all_outputs_complete"] = all(rep["all_outputs_complete"] for rep in r["repeats"])
+        if "compiles" in r["repeats"][0]:  # any compile in a timed run is a shape that escaped warm-up
+            r["compiles_after_warmup"] = sum(rep["compiles"] for rep in r["repeats"])
+    return results
+
+
+def time_single_request(backends, vocab_size: int) -> dict:
+    """Ferry and transformers, one request each, interleaved over the repeats; medians."""
+    prompt = single_request_prompt(vocab_size)
+    chosen = [b for b in backends if b.name in ("ferry", "transformers")]
+    raw = {b.name: [] for b in chosen}
+    for _ in range(FLAGS.repeats):
+        for b in chosen:
+            raw[b.name].append(b.single(prompt, FLAGS.single_output_len))
+    out = {"prompt_len": FLAGS.single_prompt_len, "output_len": FLAGS.single_output_len, "backends": {}}
+    for name, reps in raw.items():
+        keys = [k for k, v in reps[0].items() if v is not None]
+        out["backends"][name] = {"repeats": reps, "median": {k: bc.median(r[k] for r in reps) for k in keys}}
+    if "ferry" in raw and "transformers" in raw:
+        ms = {n: out["backends"][n]["median"]["ms_per_token"] for n in ("ferry", "transformers")}
+        out["transformers_over_ferry_ms_per_token"] = bc.ratio(ms["transformers"], ms["ferry"])
+    return out
+
+
+def throughput_ratios(results: dict, names: list[str]) -> dict:
+    """For each pair a / b (a before b in --compare): the ratio of median output tokens/s, and the
+    median of the per-repeat ratios (each pair of runs side by side in one round)."""
+    out = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            ra, rb = results[a], results[b]
+            paired = [x["output_tokens_per_s"] / y["output_tokens_per_s"]
+                      for x, y in zip(ra["repeats"], rb["repeats"])]
+            out[f"{a}/{b}"] = {"of_medians": bc.ratio(ra["median"]["output_tokens_per_s"],
+                                                      rb["median"]["output_tokens_per_s"]),
+                               "median_of_paired": bc.median(paired), "paired": paired}
+    return out
+
+
+def percent(share: float | None) -> float | None:
+    return None if share is None else 100 * share
+
+
+def print_report(summary: dict, results: dict, ratios: dict, single: dict | None):
+    w = summary
+    print(f"\nworkload: {w['num_requests']} requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output "
+          f"tokens; medians of {FLAGS.repeats} interleaved repeats")
+    # compiles: all timed runs together (0 = every shape was warmed up); host %: scheduler + packing +
+    # postprocessing, of step time (the rest is the jitted call); preempt: median per run.
+    headers = ["backend", "req/s", "out tok/s", "total tok/s", "time s", "warm-up s", "compiles", "host %",
+               "preempt", "peak KV %"]
+    rows = []
+    for name, r in results.items():
+        m = r["median"]
+        rows.append([name, m["requests_per_s"], m["output_tokens_per_s"], m["total_tokens_per_s"], m["elapsed_s"],
+                     r["warmup_s"], r.get("compiles_after_warmup"), percent(m.get("host_share")), m.get("preemptions"),
+                     percent(m.get("peak_kv_usage"))])
+    print(bc.format_table(headers, rows))
+    if ratios:
+        print("\nratios of output tokens/s (of medians; median of per-repeat pairs):")
+        for pair, r in ratios.items():
+            print(f"  {pair}: {r['of_medians']:.2f}x; {r['median_of_paired']:.2f}x")
+    if single:
+        print(f"\nsingle request (prompt {single['prompt_len']}, output {single['output_len']}), medians:")
+        rows = [[name, s["median"]["ttft_ms"], s["median"]["ms_per_token"], s["median"].get("decode_ms_per_token"),
+                 s["median"]["e2e_ms"]] for name, s in single["backends"].items()]
+        print(bc.format_table(["backend", "first token ms", "ms/token", "decode ms/token", "e2e ms"], rows))
+        if single.get("transformers_over_ferry_ms_per_token"):
+            print(f"  transformers / ferry ms per token: {single['transformers_over_ferry_ms_per_token']:.2f}x")
+
+
+def main(argv):
+    del argv
+    names = FLAGS.compare or [FLAGS.backend]
+    unknown = set(names) - set(BACKENDS)
+    if unknown or len(set(names)) != len(names):
+        raise app.UsageError(f"--compare takes distinct names from {BACKENDS}, got {names}")
+    if "ferry-static" in names and FLAGS.static_batch > FLAGS.max_num_seqs:
+        logging.warning("--static_batch=%d > --max_num_seqs=%d: ferry-static runs each batch in waves",
+                        FLAGS.static_batch, FLAGS.max_num_seqs)
+    CompileCounter.install()
+    with tempfile.TemporaryDirectory(prefix="ferry_bench_") as scratch:
+        model, hf_dir, source = prepare_model(names, scratch)
+        requests = build_workload(model)
+        config = engine_config(requests)
+        backends = [make_backend(n, model, hf_dir, config) for n in names]
+        results = time_backends(backends, requests)
+        single = time_single_request(backends, model.cfg.vocab_size) if FLAGS.single_request else None
+    ratios = throughput_ratios(results, names)
+    summary = bc.workload_summary(requests)
+    print_report(summary, results, ratios, single)
+    if FLAGS.json_out:
+        import jax
+        bc.write_json(FLAGS.json_out, {
+            "benchmark": "throughput", "config": bc.flag_values(FLAGS), "backends_run": names,
+            "environment": {**bc.environment(), "jax_backend": jax.default_backend(),
+                            "jax_devices": [str(d) for d in jax.devices()]},
+            "model": {"source": source, "config": model.cfg.to_json(), "dtype": str(model.dtype),
+                      "num_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(model.params())))},
+            "engine_config": dataclasses.asdict(config), "workload": summary, "results": results,
+            "ratios": ratios, "single_request": single})
+        print(f"\nwrote {FLAGS.json_out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
