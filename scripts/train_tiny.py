@@ -63,7 +63,7 @@ class TrainOptions:
 
     out_dir: str = "models/default"
     seed: int = 0
-    steps: int = 1000
+    steps: int = 500
     minutes: float = 0.0
     vocab: int = 4096
     tokenizer_type: str = "bpe"

@@ -1,0 +1,215 @@
+"""absl flags shared by Ferry's command lines (ferry-generate, scripts/eval_tasks.py, the server).
+
+Each `define_*_flags()` registers one group of flags on the global `FLAGS`; calling it again is a no-op, so
+every entry point (and a test importing several of them) can ask for the groups it needs. Defaults are read
+off `EngineConfig()` and `SamplingParams()`, so a command line and the library never disagree.
+
+Flags are named after the field they set: engine flags after `EngineConfig` fields, sampling flags after
+`SamplingParams` fields (the names JSONL overrides and OpenAI requests use), except `EngineConfig.seed`,
+which is `--engine_seed` because `--seed` is the per-request sampling seed.
+
+Bad values end the program with exit code 2 (the Unix convention for usage errors): flag syntax and
+bounds while parsing (`parse_flags_or_exit`, for `app.run(flags_parser=...)`), sampling values when
+`sampling_params_from_flags` raises `SamplingParamsError` naming the field (`exit_usage_error`).
+"""
+
+import dataclasses
+import os
+import sys
+
+import jax.numpy as jnp
+from absl import flags, logging
+
+import models  # its package directory holds the embedded model's directory
+from engine.engine import EngineConfig
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pallas_kernels.attention import IMPLS as ATTENTION_IMPLS
+
+FLAGS = flags.FLAGS
+
+USAGE_ERROR = 2                      # exit status for bad flags and bad values
+DEFAULT_MODEL = "models/default"     # the embedded model, relative to the working directory or the package
+PREEMPTION_MODES = ("swap", "recompute")
+# Command lines cannot easily hold a newline, yet "\n" is the commonest stop string.
+_ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}
+
+# EngineConfig field -> flag name, where they differ.
+_ENGINE_FLAG_NAMES = {"seed": "engine_seed"}
+
+_defined: set[str] = set()
+
+
+def _once(group: str) -> bool:
+    """True the first time `group` is asked for: absl refuses to define a flag twice."""
+    if group in _defined:
+        return False
+    _defined.add(group)
+    return True
+
+
+# ------------------------------------------------------------------ definitions
+
+def define_model_flags():
+    if not _once("model"):
+        return
+    flags.DEFINE_string("model", DEFAULT_MODEL,
+                        "model directory: a Hugging Face checkpoint (config.json + safetensors) or a Ferry "
+                        "checkpoint (ferry_config.json + params/), with its tokenizer files")
+
+
+def define_progress_flag():
+    if not _once("progress"):
+        return
+    flags.DEFINE_boolean("progress", True, "show a progress bar on stderr")
+
+
+def define_engine_flags():
+    """One flag per EngineConfig field."""
+    if not _once("engine"):
+        return
+    d = EngineConfig()
+    flags.DEFINE_integer("block_size", d.block_size, "tokens per KV-cache block", lower_bound=1)
+    flags.DEFINE_integer("num_blocks", d.num_blocks, "KV blocks incl. the null block; unset: sized from "
+                         "--memory_fraction", lower_bound=2)
+    flags.DEFINE_float("memory_fraction", d.memory_fraction, "share of free device memory (host RAM on CPU) "
+                       "for the KV cache when --num_blocks is unset", lower_bound=0.0, upper_bound=1.0)
+    flags.DEFINE_integer("max_num_seqs", d.max_num_seqs, "most sequences decoded per step", lower_bound=1)
+    flags.DEFINE_integer("max_num_batched_tokens", d.max_num_batched_tokens,
+                         "most tokens per step (decodes + prefill chunks)", lower_bound=1)
+    flags.DEFINE_integer("max_model_len", d.max_model_len, "context length cap (prompt + output); unset: "
+                         "the model's own", lower_bound=2)
+    flags.DEFINE_integer("chunk_size", d.chunk_size, "prefill chunk cap; unset: whole prompts up to the "
+                         "token budget", lower_bound=1)
+    flags.DEFINE_integer("watermark_blocks", d.watermark_blocks, "free blocks kept back when admitting",
+                         lower_bound=0)
+    flags.DEFINE_enum("preemption_mode", d.preemption_mode, PREEMPTION_MODES,
+                      "what a preempted sequence's KV does: swap to host memory or recompute later")
+    flags.DEFINE_integer("num_host_blocks", d.num_host_blocks, "host blocks for swapping; unset: as many as "
+                         "device blocks", lower_bound=0)
+    flags.DEFINE_string("kv_dtype", d.kv_dtype, "KV-cache dtype (e.g. bfloat16); unset: the model's")
+    flags.DEFINE_enum("attention_impl", d.attention_impl, ATTENTION_IMPLS,
+                      "paged attention implementation; unset: chosen by backend")
+    flags.DEFINE_string("dtype", d.dtype, "dtype to load the weights in (e.g. bfloat16, float32); unset: "
+                        "the checkpoint's")
+    flags.DEFINE_integer("engine_seed", d.seed, "draws the sampling seed of every request that sets none "
+                         "(EngineConfig.seed)")
+
+
+def define_sampling_flags():
+    """One flag per SamplingParams field; a request's own values (e.g. a JSONL line's) override them."""
+    if not _once("sampling"):
+        return
+    d = SamplingParams()
+    flags.DEFINE_integer("n", d.n, "completions per prompt")
+    flags.DEFINE_integer("max_tokens", d.max_tokens, "most tokens to generate per completion")
+    flags.DEFINE_integer("min_tokens", d.min_tokens, "tokens to generate before EOS / stop ids may end it")
+    flags.DEFINE_float("temperature", d.temperature, "0 = greedy")
+    flags.DEFINE_float("top_p", d.top_p, "nucleus sampling mass, in (0, 1]")
+    flags.DEFINE_integer("top_k", d.top_k, "keep the k most likely tokens; 0 or -1 = off")
+    flags.DEFINE_float("min_p", d.min_p, "drop tokens below min_p x the top probability, in [0, 1]")
+    flags.DEFINE_integer("seed", d.seed, "sampling seed of every request (completion i of n uses seed + i); "
+                         "unset: drawn from --engine_seed")
+    flags.DEFINE_float("presence_penalty", d.presence_penalty, "in [-2, 2]")
+    flags.DEFINE_float("frequency_penalty", d.frequency_penalty, "in [-2, 2]")
+    flags.DEFINE_float("repetition_penalty", d.repetition_penalty, "> 0; 1 = off")
+    flags.DEFINE_multi_string("stop", d.stop, "stop string (repeatable); \\n, \\t, \\r and \\\\ are unescaped")
+    flags.DEFINE_multi_integer("stop_token_ids", d.stop_token_ids, "token id that ends a completion "
+                               "(repeatable)")
+    flags.DEFINE_boolean("ignore_eos", d.ignore_eos, "keep generating past EOS")
+    flags.DEFINE_integer("logprobs", d.logprobs, f"top logprobs per generated token, 0..{MAX_LOGPROBS} "
+                         "(0: the sampled token's only); unset: none")
+    flags.DEFINE_integer("prompt_logprobs", d.prompt_logprobs, f"top logprobs per prompt token, "
+                         f"0..{MAX_LOGPROBS}; unset: none")
+    flags.DEFINE_integer("priority", d.priority, "scheduling priority (lower runs first)")
+    flags.DEFINE_boolean("skip_special_tokens", d.skip_special_tokens, "leave special tokens out of the text")
+    flags.DEFINE_boolean("include_stop_str_in_output", d.include_stop_str_in_output,
+                         "keep the matched stop string in the text")
+
+
+# ------------------------------------------------------------------ builders
+
+def engine_config_from_flags() -> EngineConfig:
+    """An EngineConfig from the engine flags; ValueError names the flag of a bad value."""
+    values = {f.name: getattr(FLAGS, _ENGINE_FLAG_NAMES.get(f.name, f.name))
+              for f in dataclasses.fields(EngineConfig)}
+    for name in ("dtype", "kv_dtype"):
+        if values[name] is not None:
+            _check_dtype(name, values[name])
+    return EngineConfig(**values)
+
+
+def sampling_params_from_flags() -> SamplingParams:
+    """SamplingParams from the sampling flags; SamplingParamsError (its .field is the flag) if invalid."""
+    values = {f.name: getattr(FLAGS, f.name) for f in dataclasses.fields(SamplingParams)}
+    values["stop"] = [unescape(s) for s in values["stop"]]
+    return SamplingParams(**values)
+
+
+def unescape(text: str) -> str:
+    """Turn the escapes in _ESCAPES into the characters; every other backslash stays as typed."""
+    out, i = [], 0
+    while i < len(text):
+        pair = text[i:i + 2]
+        if pair in _ESCAPES:
+            out.append(_ESCAPES[pair])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def _check_dtype(name: str, value: str):
+    try:
+        jnp.dtype(value)
+    except TypeError:
+        raise ValueError(f"--{name}={value}: not a dtype (try bfloat16, float16 or float32)") from None
+
+
+# ------------------------------------------------------------------ the model directory
+
+def resolve_model_dir(path: str) -> str:
+    """The model directory `path` names; FileNotFoundError (saying to pass --model) if there is none.
+
+    The default also resolves next to the installed `models` package, so `ferry-generate` finds the
+    embedded model from any working directory."""
+    candidates = [path]
+    if path == DEFAULT_MODEL:
+        candidates.append(os.path.join(os.path.dirname(os.path.abspath(models.__file__)), "default"))
+    for candidate in candidates:
+        if _is_model_dir(candidate):
+            return candidate
+    if path == DEFAULT_MODEL:
+        raise FileNotFoundError(f"no model in the default --model={DEFAULT_MODEL} (the embedded model is not "
+                                f"there yet): pass --model=DIR, a Hugging Face or Ferry checkpoint directory")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--model={path}: no such directory; pass --model=DIR, a Hugging Face or "
+                                f"Ferry checkpoint directory")
+    raise FileNotFoundError(f"--model={path}: not a model directory (no config.json or ferry_config.json); "
+                            f"pass --model=DIR, a Hugging Face or Ferry checkpoint directory")
+
+
+def _is_model_dir(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, name)) for name in ("config.json", "ferry_config.json"))
+
+
+# ------------------------------------------------------------------ errors
+
+def parse_flags_or_exit(argv: list[str]) -> list[str]:
+    """`app.run(main, flags_parser=parse_flags_or_exit)`: absl's own parser exits 1 on a bad flag; 2 here."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        exit_usage_error(str(e))
+
+
+def exit_usage_error(message: str):
+    """Print `message` as a usage error and exit with status 2."""
+    sys.stderr.write(f"error: {message}\nPass --helpfull to see every flag.\n")
+    sys.exit(USAGE_ERROR)
+
+
+def quiet_absl_logging():
+    """WARNING unless --verbosity was given: JAX logs backend probing at INFO, noise on a command line."""
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
