@@ -16,6 +16,7 @@ for both backends, and an incremental detokenizer can diff decodes of a sliding 
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 import json
@@ -42,7 +43,7 @@ class ChatTemplateError(ValueError):
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
-class Tokenizer:
+class Tokenizer(abc.ABC):
     """What every backend offers. Use `load_tokenizer` to build one."""
 
     model_dir: str
@@ -66,19 +67,19 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self.chat_templates.get("default")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
 
+    @abc.abstractmethod
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         """The raw vocabulary pieces (byte-level 'Ġ' / sentencepiece '▁' forms), one per id."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
         """Join raw pieces into text, as the backend's decoder does."""
-        raise NotImplementedError
 
     def apply_chat_template(
         self,

@@ -19,20 +19,19 @@ of the KV head (GQA rows = block_q * padded group). The wrapper computes, in jnp
 of tiles: the padding rows form one extra "sequence" with context 0, which the kernel writes as
 zeros like any row that sees no key; tiles past the last are empty and write nothing. Each tile
 loops only over the pages up to its last row's position. Loads are masked gathers, as in the
-decode kernel (see paged_attention.py), so head_dim 80/96 and garbage in unused slots are fine.
+decode kernel (the page loop, triton_common.attend_pages, is the decode kernel's), so head_dim
+80/96 and garbage in unused slots are fine.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.paged_attention import (
-    MASK_VALUE, MIN_DOT_DIM, default_num_stages, default_num_warps, default_pages_per_step,
-    dot_precision, masked_load, masked_store, next_pow2, normalise, online_softmax_step,
-    triton_compiler_params, whole_array_spec,
+from pallas_kernels.triton_common import (
+    MIN_DOT_DIM, attend_pages, call_kernel, kernel_tuning, masked_load, masked_store, next_pow2,
+    normalise, paged_cache_dims,
 )
 
 # Columns of the per-tile table the wrapper builds.
@@ -59,7 +58,7 @@ def _prefill_kernel(
     tile_id, kv_head = pl.program_id(0), pl.program_id(1)
     num_tokens, num_q_heads, head_dim = q_ref.shape
     block_size, table_width = k_ref.shape[1], tables_ref.shape[1]
-    rows, tile = block_q * group_padded, pages_per_step * block_size
+    rows = block_q * group_padded
 
     row0 = tiles_ref[tile_id, _ROW0]
     row_end = tiles_ref[tile_id, _ROW_END]
@@ -89,29 +88,12 @@ def _prefill_kernel(
     num_pages = jnp.minimum(pl.cdiv(kv_len, block_size), table_width)
     num_steps = pl.cdiv(num_pages, pages_per_step)
 
-    t = jnp.arange(tile)
-    page_in_step, slot = t // block_size, t % block_size
-    precision = dot_precision(q_ref.dtype)
-
-    def body(step, carry):
-        logical_page = step * pages_per_step + page_in_step  # [tile]
-        page_ok = logical_page < num_pages
-        page = masked_load(tables_ref, (seq, jnp.minimum(logical_page, table_width - 1)),
-                           page_ok, 0)
-        key_pos = logical_page * block_size + slot
-        key_ok = page_ok & (key_pos < kv_len)
-        kv_idx = (page[:, None], slot[:, None], kv_head, d_c[None, :])
-        kv_mask = key_ok[:, None] & col_ok[None, :]
-        k = masked_load(k_ref, kv_idx, kv_mask, 0)  # masked keys are zeros: no NaN leaks
-        v = masked_load(v_ref, kv_idx, kv_mask, 0)
-        mask = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])  # [rows, tile] causal
-        return online_softmax_step(q, k, v, mask, carry, scale=scale, soft_cap=soft_cap,
-                                   precision=precision)
-
-    carry = (jnp.zeros((rows, head_dim_padded), jnp.float32),
-             jnp.full((rows,), MASK_VALUE, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
-    acc, _, l = lax.fori_loop(0, num_steps, body, carry)
+    acc, _, l = attend_pages(
+        q, k_ref, v_ref, tables_ref, seq, kv_head, end_page=num_pages, kv_len=kv_len,
+        num_steps=num_steps, pages_per_step=pages_per_step, feature=d_c, feature_ok=col_ok,
+        scale=scale, soft_cap=soft_cap,
+        # [rows, tile], causal: each row sees the keys up to its own position.
+        key_mask=lambda key_ok, key_pos: key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None]))
     # Unclamped indices: masked-off lanes point past the array or at rows this program leaves
     # unchanged (see the decode kernel's note on stores).
     masked_store(o_ref, (tok[:, None], head[:, None], d[None, :]),
@@ -171,14 +153,8 @@ def paged_prefill_attention(
       so an element the kernel fails to write shows up.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, head_dim_k = k_pages.shape
     num_seqs = context_lens.shape[0]
-    if k_pages.shape != v_pages.shape or head_dim_k != head_dim:
-        raise ValueError(f"q {q.shape} / k_pages {k_pages.shape} / v_pages {v_pages.shape} mismatch")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads not divisible by {num_kv_heads} KV heads")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    block_size, num_kv_heads = paged_cache_dims(q, k_pages, v_pages)
     if block_tables.shape[0] != num_seqs or query_start_loc.shape != (num_seqs + 1,):
         raise ValueError("block_tables / query_start_loc do not match context_lens")
 
@@ -193,38 +169,21 @@ def paged_prefill_attention(
     block_q = max(block_q, pl.cdiv(MIN_DOT_DIM, group_padded))  # rows >= 16 for the dot
     if block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
-    if pages_per_step is None:
-        pages_per_step = default_pages_per_step(block_size, target)
-    if pages_per_step * block_size < MIN_DOT_DIM or pages_per_step & (pages_per_step - 1):
-        raise ValueError(f"pages_per_step={pages_per_step} must be a power of two giving >= 16 keys")
-    if num_warps is None:
-        num_warps = default_num_warps(head_dim_padded, pages_per_step * block_size)
-    if num_stages is None:
-        num_stages = default_num_stages(q.dtype)
+    pages_per_step, num_warps, num_stages = kernel_tuning(
+        block_size, head_dim_padded, q.dtype, pages_per_step=pages_per_step, num_warps=num_warps,
+        num_stages=num_stages, target_tokens=target)
 
     # Each of the S + 1 segments adds at most one partial tile.
     num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs + 1
     tiles = _tile_table(query_start_loc, context_lens, num_tokens, block_q, num_tiles)
 
-    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     inputs = [tiles, q, k_pages, v_pages, block_tables.astype(jnp.int32)]
-    aliases = {}
-    if interpret:  # poison: every output element the kernel does not write stays NaN
-        aliases[len(inputs)] = 0
-        inputs.append(jnp.full(q.shape, jnp.nan, q.dtype))
-
     kernel = functools.partial(
         _prefill_kernel, group=group, group_padded=group_padded, block_q=block_q,
         head_dim_padded=head_dim_padded, pages_per_step=pages_per_step, scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap))
-    return pl.pallas_call(
-        kernel,
-        grid=(num_tiles, num_kv_heads),
-        in_specs=[whole_array_spec(x.shape) for x in inputs],
-        out_specs=whole_array_spec(q.shape),
-        out_shape=out_shape,
-        input_output_aliases=aliases,
-        interpret=interpret,
-        compiler_params=None if interpret else triton_compiler_params(num_warps, num_stages),
-        name=f"ferry_paged_prefill_g{group}_d{head_dim}_bs{block_size}_q{block_q}",
-    )(*inputs)
+    (out,) = call_kernel(
+        kernel, inputs, [jax.ShapeDtypeStruct(q.shape, q.dtype)], grid=(num_tiles, num_kv_heads),
+        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+        name=f"ferry_paged_prefill_g{group}_d{head_dim}_bs{block_size}_q{block_q}")
+    return out

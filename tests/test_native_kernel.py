@@ -3,95 +3,38 @@
 The library must be there: it is built when the package is installed (setup.py), so every test
 here FAILS, never skips, when `native.available()` is False.
 
-Inputs are built like tests/test_kernels.py's, to catch the usual paged-attention bugs:
-  * block tables are shuffled, non-contiguous page ids (never the null block 0);
-  * every cache slot no sequence owns is NaN: whole unused pages, the slots past context_len in a
-    sequence's last page, and the pages unused block-table entries point to (other unused entries
-    hold out-of-range ids) -- so reading anything beyond context_len shows up as NaN;
-  * the kernel's output lands in a donated NaN-filled buffer (checked by pointer), so an output
-    element it never writes fails the finiteness check, and rows that attend to nothing
-    (context 0, prefill padding) must come out exactly zero.
-Every test draws a fresh seed (printed, and in every assertion message; set FERRY_KERNEL_SEED to
-replay one).
+Inputs, seeds and checks are tests/attention_cases.py's, as in tests/test_kernels.py: shuffled block
+tables, NaN in every cache slot no sequence owns. The kernel's output lands in a donated NaN-filled
+buffer (checked by pointer) here, so an element it never writes fails the finiteness check, and the
+rows that attend to nothing (context 0, prefill padding) must be exactly zero.
 """
 
+import functools
 import os
-import secrets
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_cases import (  # noqa: F401  (seed is a fixture)
+    PREFILL_CASES,
+    assert_zero_rows,
+    check_close,
+    check_prefill,
+    decode_inputs,
+    prefill_batch,
+    seed,
+)
 from pallas_kernels import native
 from pallas_kernels.native import paged_decode_attention_native, paged_prefill_attention_native
-from pallas_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
-
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+from pallas_kernels.reference import paged_decode_attention_ref
 
 
 @pytest.fixture(autouse=True)
 def require_native():
     # Fail, never skip: CI builds the library at install time, so a missing one is a bug.
     assert native.available(), f"native attention library unavailable: {native.unavailable_reason()}"
-
-
-@pytest.fixture
-def seed():
-    value = int(os.environ.get("FERRY_KERNEL_SEED", secrets.randbits(31)))
-    print(f"FERRY_KERNEL_SEED={value}")  # shown by pytest when the test fails
-    return value
-
-
-def make_cache(rng, context_lens, *, block_size, num_kv_heads, head_dim, dtype, spare_blocks=3):
-    """Random paged cache for sequences of the given context lengths.
-
-    Returns (k_pages, v_pages, block_tables). Slots that belong to no sequence are NaN.
-    """
-    pages = [-(-c // block_size) for c in context_lens]
-    width = max(max(pages) + 2, 1)
-    num_blocks = 1 + sum(pages) + spare_blocks
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = np.full(shape, np.nan, np.float32)
-    v = np.full(shape, np.nan, np.float32)
-    ids = rng.permutation(np.arange(1, num_blocks))  # shuffled, never the null block
-    used, spare = ids[:sum(pages)], ids[sum(pages):]
-    tables = np.zeros((len(context_lens), width), np.int32)
-    start = 0
-    for s, (ctx, n) in enumerate(zip(context_lens, pages)):
-        own = used[start:start + n]
-        start += n
-        tables[s, :n] = own
-        for j, block in enumerate(own):
-            valid = min(block_size, ctx - j * block_size)  # the rest of the last page stays NaN
-            k[block, :valid] = rng.standard_normal((valid, num_kv_heads, head_dim))
-            v[block, :valid] = rng.standard_normal((valid, num_kv_heads, head_dim))
-        # Unused entries: NaN pages, the null block, or ids far out of range.
-        garbage = rng.choice(np.concatenate([spare, [0, num_blocks + 1000, 2**30]]), width - n)
-        tables[s, n:] = garbage
-    return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(tables)
-
-
-def random_q(rng, num_rows, num_q_heads, head_dim, dtype, magnitude=2.0):
-    # magnitude > 1 makes scores large enough for the soft cap to bite.
-    return jnp.asarray(magnitude * rng.standard_normal((num_rows, num_q_heads, head_dim)), dtype)
-
-
-def check_close(out, ref, dtype, seed, what):
-    assert out.dtype == ref.dtype == jnp.dtype(dtype), f"{what}: dtype {out.dtype} seed={seed}"
-    assert out.shape == ref.shape, f"{what}: shape {out.shape} vs {ref.shape} seed={seed}"
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert np.isfinite(ref).all(), f"{what}: reference not finite seed={seed}"
-    bad = ~np.isfinite(out)
-    assert not bad.any(), (f"{what}: {bad.sum()} non-finite outputs (unwritten or leaked), first at "
-                           f"{np.argwhere(bad)[0].tolist()} seed={seed}")
-    tol = TOL[dtype]
-    scale = max(float(np.abs(ref).max()), 1e-6)
-    err = np.abs(out - ref)
-    worst = np.unravel_index(err.argmax(), err.shape)
-    assert np.allclose(out, ref, rtol=tol, atol=tol * scale), (
-        f"{what}: max abs err {err.max():.3g} at {list(worst)} (ref max {scale:.3g}, tol {tol}) "
-        f"seed={seed}")
 
 
 def run_poisoned(fn, q, *args, **kwargs):
@@ -109,6 +52,9 @@ def run_poisoned(fn, q, *args, **kwargs):
     out = jax.jit(call, donate_argnums=0, keep_unused=True)(poison, q, *args)
     assert out.unsafe_buffer_pointer() == address, "output did not land in the poisoned buffer"
     return out
+
+
+POISONED_PREFILL = functools.partial(run_poisoned, paged_prefill_attention_native)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -131,15 +77,14 @@ def test_decode_matches_reference(seed, hq, hkv, d, bs, dtype, cap):
     rng = np.random.default_rng(seed)
     # context 0 (padding row), 1, one full page, one page + 1, several pages, random, long.
     ctx = [0, 1, bs, bs + 1, 5 * bs + 3, int(rng.integers(1, 4 * bs)), 2048 + int(rng.integers(bs))]
-    k, v, tables = make_cache(rng, ctx, block_size=bs, num_kv_heads=hkv, head_dim=d, dtype=dtype)
-    q = random_q(rng, len(ctx), hq, d, dtype)
-    lens = jnp.asarray(ctx, jnp.int32)
+    q, k, v, tables, lens = decode_inputs(rng, ctx, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                          block_size=bs, dtype=dtype)
     scale = d ** -0.5
     ref = paged_decode_attention_ref(q, k, v, tables, lens, scale=scale, soft_cap=cap)
     out = run_poisoned(paged_decode_attention_native, q, k, v, tables, lens, scale=scale,
                        soft_cap=cap)
     check_close(out, ref, dtype, seed, "decode")
-    assert (np.asarray(out[0], np.float32) == 0).all(), f"context-0 row not zero seed={seed}"
+    assert_zero_rows(out, 0, "context-0 row", seed)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -149,9 +94,8 @@ def test_decode_large_batch(seed, dtype, monkeypatch):
     rng = np.random.default_rng(seed)
     bs, hkv, hq, d = 16, 4, 8, 64
     ctx = [int(c) for c in rng.integers(0, 40 * bs, size=40)] + [0, 1, bs, 64 * bs + 1]
-    k, v, tables = make_cache(rng, ctx, block_size=bs, num_kv_heads=hkv, head_dim=d, dtype=dtype)
-    q = random_q(rng, len(ctx), hq, d, dtype)
-    lens = jnp.asarray(ctx, jnp.int32)
+    q, k, v, tables, lens = decode_inputs(rng, ctx, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                          block_size=bs, dtype=dtype)
     ref = paged_decode_attention_ref(q, k, v, tables, lens, scale=0.125)
     out = run_poisoned(paged_decode_attention_native, q, k, v, tables, lens, scale=0.125)
     check_close(out, ref, dtype, seed, "decode large batch")
@@ -165,10 +109,8 @@ def test_decode_small_batch_splits_heads(seed):
     """One or two sequences: heads are split across work items."""
     rng = np.random.default_rng(seed)
     for ctx in ([300], [1, 77]):
-        k, v, tables = make_cache(rng, ctx, block_size=8, num_kv_heads=8, head_dim=64,
-                                  dtype=jnp.float32)
-        q = random_q(rng, len(ctx), 16, 64, jnp.float32)
-        lens = jnp.asarray(ctx, jnp.int32)
+        q, k, v, tables, lens = decode_inputs(rng, ctx, num_q_heads=16, num_kv_heads=8, head_dim=64,
+                                              block_size=8, dtype=jnp.float32)
         ref = paged_decode_attention_ref(q, k, v, tables, lens, scale=0.125, soft_cap=20.0)
         out = run_poisoned(paged_decode_attention_native, q, k, v, tables, lens, scale=0.125,
                            soft_cap=20.0)
@@ -177,49 +119,26 @@ def test_decode_small_batch_splits_heads(seed):
 
 # ----------------------------------------------------------------------------- prefill
 
-# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap)
-PREFILL_CASES = [
-    (2, 2, 64, 8, jnp.float32, None),      # MHA
-    (4, 2, 96, 16, jnp.bfloat16, 20.0),    # group 2, head_dim 96
-    (4, 1, 80, 8, jnp.float32, 5.0),       # MQA group 4, head_dim 80
-    (8, 1, 256, 16, jnp.bfloat16, None),   # MQA group 8, head_dim 256
-    (14, 2, 128, 32, jnp.float32, None),   # group 7 (Qwen2.5-style)
+# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap): test_kernels.py's, and
+NATIVE_PREFILL_CASES = PREFILL_CASES + [
     (8, 4, 32, 16, jnp.float32, 30.0),     # group 2, head_dim 32, soft cap
 ]
 
 
-def prefill_batch(bs):
-    """(prefix tokens already cached, chunk length) per sequence."""
-    return [
-        (0, 11),            # fresh prompt
-        (3 * bs, 1),        # 1-token chunk after whole pages
-        (9 * bs + 3, 4),    # prefix-cache hit: chunk starts after many cached pages
-        (bs - 1, bs + 2),   # chunk crosses page boundaries
-        (5, 0),             # sequence with no query rows this step
-        (0, 1),             # single-token prompt
+def native_prefill_batch(bs):
+    """test_kernels.py's (prefix tokens already cached, chunk length) per sequence, and one more."""
+    return prefill_batch(bs) + [
         (2 * bs + 5, 45),   # chunk spanning several query tiles after a prefix
     ]
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap", PREFILL_CASES)
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap", NATIVE_PREFILL_CASES)
 def test_prefill_matches_reference(seed, hq, hkv, d, bs, dtype, cap):
     rng = np.random.default_rng(seed)
-    batch = prefill_batch(bs)
-    ctx = [p + c for p, c in batch]
-    q_lens = [c for _, c in batch]
-    num_padding = 3
-    num_tokens = sum(q_lens) + num_padding
-    k, v, tables = make_cache(rng, ctx, block_size=bs, num_kv_heads=hkv, head_dim=d, dtype=dtype)
-    q = random_q(rng, num_tokens, hq, d, dtype)
-    lens = jnp.asarray(ctx, jnp.int32)
-    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    scale = d ** -0.5
-    ref = paged_prefill_attention_ref(q, k, v, tables, lens, qsl, scale=scale, soft_cap=cap)
-    out = run_poisoned(paged_prefill_attention_native, q, k, v, tables, lens, qsl, scale=scale,
-                       soft_cap=cap)
-    check_close(out, ref, dtype, seed, "prefill")
-    assert (np.asarray(out[-num_padding:], np.float32) == 0).all(), \
-        f"padding rows not zero seed={seed}"
+    prefixes, chunks = zip(*native_prefill_batch(bs))
+    check_prefill(seed, rng, prefixes, chunks, POISONED_PREFILL, num_padding=3, num_q_heads=hq,
+                  num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype, scale=d ** -0.5,
+                  soft_cap=cap, what="prefill")
 
 
 def test_prefill_random_chunks(seed):
@@ -228,28 +147,17 @@ def test_prefill_random_chunks(seed):
     bs = 16
     prefixes = rng.integers(0, 6 * bs, size=5)
     chunks = rng.integers(1, 40, size=5)
-    ctx = [int(p + c) for p, c in zip(prefixes, chunks)]
-    k, v, tables = make_cache(rng, ctx, block_size=bs, num_kv_heads=2, head_dim=64,
-                              dtype=jnp.bfloat16)
-    num_tokens = int(chunks.sum()) + 5
-    q = random_q(rng, num_tokens, 8, 64, jnp.bfloat16)
-    lens = jnp.asarray(ctx, jnp.int32)
-    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(chunks)]), jnp.int32)
-    ref = paged_prefill_attention_ref(q, k, v, tables, lens, qsl, scale=0.125, soft_cap=8.0)
-    out = run_poisoned(paged_prefill_attention_native, q, k, v, tables, lens, qsl, scale=0.125,
-                       soft_cap=8.0)
-    check_close(out, ref, jnp.bfloat16, seed, "prefill random chunks")
-    assert (np.asarray(out[-5:], np.float32) == 0).all(), f"padding rows not zero seed={seed}"
+    check_prefill(seed, rng, prefixes, chunks, POISONED_PREFILL, num_padding=5, num_q_heads=8,
+                  num_kv_heads=2, head_dim=64, block_size=bs, dtype=jnp.bfloat16, scale=0.125,
+                  soft_cap=8.0, what="prefill random chunks")
 
 
 def test_prefill_of_one_token_chunks_is_decode(seed):
     """A prefill whose chunks are all one token equals decode on the same cache."""
     rng = np.random.default_rng(seed)
     ctx = [1, 9, 33, 100]
-    k, v, tables = make_cache(rng, ctx, block_size=8, num_kv_heads=2, head_dim=64,
-                              dtype=jnp.float32)
-    q = random_q(rng, len(ctx), 4, 64, jnp.float32)
-    lens = jnp.asarray(ctx, jnp.int32)
+    q, k, v, tables, lens = decode_inputs(rng, ctx, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                          block_size=8, dtype=jnp.float32)
     qsl = jnp.arange(len(ctx) + 1, dtype=jnp.int32)
     dec = paged_decode_attention_native(q, k, v, tables, lens, scale=0.125)
     pre = paged_prefill_attention_native(q, k, v, tables, lens, qsl, scale=0.125)

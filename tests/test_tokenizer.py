@@ -1,9 +1,5 @@
 """models/tokenizer.py against sentencepiece, the tokenizers library and transformers, on tokenizers trained here."""
 
-import io
-import json
-import random
-
 import jinja2
 import pytest
 import sentencepiece as spm
@@ -11,7 +7,6 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from models.tokenizer import (
     ChatTemplateError,
@@ -20,10 +15,8 @@ from models.tokenizer import (
     TokenizerError,
     load_tokenizer,
 )
+from tokenizer_fixtures import write_byte_level_bpe_dir, write_json, write_sentencepiece_dir
 
-# Training text: words in several scripts, joined by varied whitespace.
-WORDS = ["hello", "world", "the", "quick", "brown", "fox", "tokenizer", "ferry", "jax", "café", "über",
-         "naïve", "Grüße", "résumé", "中文", "测试", "日本語", "😀", "🚀", "emoji", "a", "of", "1234"]
 # Fresh text: words and characters the tokenizers never saw in training, so byte fallback is exercised.
 TEXTS = [
     "hello world",
@@ -80,70 +73,14 @@ CONVERSATION = [
 ]
 
 
-def _corpus(n=1500, seed=0):
-    rng = random.Random(seed)
-    seps = [" ", " ", " ", "  ", "\n", "\n\n", "\t"]
-    return ["".join(rng.choice(WORDS) + rng.choice(seps) for _ in range(rng.randint(3, 12))) for _ in range(n)]
-
-
-def _write_json(path, data):
-    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
-
-
 @pytest.fixture(scope="module")
 def sp_dir(tmp_path_factory):
-    """A Llama-2-style sentencepiece BPE (byte fallback, no normalisation, dummy prefix) trained here."""
-    d = tmp_path_factory.mktemp("sp")
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_corpus()), model_writer=model, model_type="bpe", vocab_size=400,
-        byte_fallback=True, character_coverage=1.0, split_digits=True, allow_whitespace_only_pieces=True,
-        # Llama-2's settings: identity normalisation keeps every space, so decode(encode(x)) == x even with
-        # leading or repeated spaces; the dummy prefix added on encode is removed again on decode.
-        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
-    )
-    (d / "tokenizer.model").write_bytes(model.getvalue())
-    _write_json(d / "tokenizer_config.json", {
-        "tokenizer_class": "LlamaTokenizer",
-        "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False,
-                      "rstrip": False, "special": True},
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "add_bos_token": True,
-    })
-    _write_json(d / "generation_config.json", {"bos_token_id": 1, "eos_token_id": [2, 7]})
-    return d
+    return write_sentencepiece_dir(tmp_path_factory.mktemp("sp"))
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """A Llama-3-style byte-level BPE tokenizer.json with a BOS post-processor, trained here."""
-    d = tmp_path_factory.mktemp("hf")
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>",
-                "<|end_header_id|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=450, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    raw.train_from_iterator(_corpus(seed=1), trainer)
-    raw.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(
-            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|>:1 $B:1",
-            special_tokens=[("<|begin_of_text|>", 0)]),
-    ])
-    raw.save(str(d / "tokenizer.json"))
-    _write_json(d / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|begin_of_text|>",
-        "eos_token": {"__type": "AddedToken", "content": "<|eot_id|>", "special": True},
-        "chat_template": LLAMA3_TEMPLATE,
-    })
-    _write_json(d / "generation_config.json", {"eos_token_id": [1, 2]})
-    _write_json(d / "config.json", {"bos_token_id": 0, "eos_token_id": 1})
-    return d
+    return write_byte_level_bpe_dir(tmp_path_factory.mktemp("hf"), chat_template=LLAMA3_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +144,7 @@ def test_sentencepiece_special_token_text(sp_tok, sp_ref):
 def test_sentencepiece_add_bos_token(tmp_path, sp_dir):
     (tmp_path / "tokenizer.model").write_bytes((sp_dir / "tokenizer.model").read_bytes())
     assert load_tokenizer(str(tmp_path)).encode("hello")[0] == 1  # no tokenizer_config.json: BOS by default
-    _write_json(tmp_path / "tokenizer_config.json", {"add_bos_token": False, "add_eos_token": True})
+    write_json(tmp_path / "tokenizer_config.json", {"add_bos_token": False, "add_eos_token": True})
     tok = load_tokenizer(str(tmp_path))
     # No special tokens in any config: bos/eos come from the model itself.
     assert (tok.bos_token, tok.bos_token_id, tok.eos_token, tok.eos_token_ids) == ("<s>", 1, "</s>", (2,))
@@ -295,18 +232,18 @@ def test_special_tokens_from_configs(sp_tok, hf_tok):
 def test_special_tokens_fallbacks(tmp_path, hf_dir):
     (tmp_path / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
     # Only config.json: ids, names looked up in the vocabulary.
-    _write_json(tmp_path / "config.json", {"bos_token_id": 0, "eos_token_id": [1, 2], "pad_token_id": 1})
+    write_json(tmp_path / "config.json", {"bos_token_id": 0, "eos_token_id": [1, 2], "pad_token_id": 1})
     tok = load_tokenizer(str(tmp_path))
     assert (tok.bos_token, tok.bos_token_id) == ("<|begin_of_text|>", 0)
     assert (tok.eos_token, tok.eos_token_ids) == ("<|end_of_text|>", (1, 2))
     assert (tok.pad_token, tok.pad_token_id) == ("<|end_of_text|>", 1)
     # special_tokens_map.json names the tokens; added_tokens_decoder supplies an id the vocab lacks;
     # generation_config.json's single eos int joins the tokenizer's.
-    _write_json(tmp_path / "special_tokens_map.json", {
+    write_json(tmp_path / "special_tokens_map.json", {
         "bos_token": {"content": "<|begin_of_text|>"}, "eos_token": "<|im_end|>", "pad_token": "<pad>"})
-    _write_json(tmp_path / "tokenizer_config.json", {
+    write_json(tmp_path / "tokenizer_config.json", {
         "added_tokens_decoder": {"1000": {"content": "<pad>", "special": True}}})
-    _write_json(tmp_path / "generation_config.json", {"eos_token_id": 2})
+    write_json(tmp_path / "generation_config.json", {"eos_token_id": 2})
     tok = load_tokenizer(str(tmp_path))
     assert (tok.bos_token_id, tok.eos_token, tok.eos_token_ids) == (0, "<|im_end|>", (6, 2))
     assert (tok.pad_token, tok.pad_token_id) == ("<pad>", 1000)
@@ -380,7 +317,7 @@ def test_missing_chat_template(sp_dir, sp_tok):
 
 
 def test_missing_tokenizer_files(tmp_path):
-    _write_json(tmp_path / "config.json", {"bos_token_id": 1})
+    write_json(tmp_path / "config.json", {"bos_token_id": 1})
     with pytest.raises(FileNotFoundError) as e:
         load_tokenizer(str(tmp_path))
     assert str(tmp_path) in str(e.value)

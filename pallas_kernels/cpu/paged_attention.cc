@@ -687,30 +687,31 @@ ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
 #pragma GCC visibility push(default)
 #endif
 
+// Both handlers' bindings: the thread pool; q, k_pages, v_pages, block_tables, context_lens, then
+// `more_args`; the output; the scale and soft_cap attributes. A macro rather than a helper
+// function: a helper shifts GCC's file-wide inlining budget and with it the code of the
+// AttendTile* kernels, while with the macro the library compiles exactly as before.
+#define FERRY_PAGED_ATTENTION_BINDING(more_args)                 \
+  ffi::Ffi::Bind()                                               \
+      .Ctx<ffi::ThreadPool>()                                    \
+      .Arg<ffi::AnyBuffer>()        /* q */                      \
+      .Arg<ffi::AnyBuffer>()        /* k_pages */                \
+      .Arg<ffi::AnyBuffer>()        /* v_pages */                \
+      .Arg<ffi::Buffer<ffi::S32>>() /* block_tables */           \
+      .Arg<ffi::Buffer<ffi::S32>>() /* context_lens */ more_args \
+      .Ret<ffi::AnyBuffer>()        /* out */                    \
+      .Attr<float>("scale")                                      \
+      .Attr<float>("soft_cap")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryPagedDecodeAttention, DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // q
-                                  .Arg<ffi::AnyBuffer>()         // k_pages
-                                  .Arg<ffi::AnyBuffer>()         // v_pages
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // context_lens
-                                  .Ret<ffi::AnyBuffer>()         // out
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap"));
+                              FERRY_PAGED_ATTENTION_BINDING());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryPagedPrefillAttention, PrefillImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // q
-                                  .Arg<ffi::AnyBuffer>()         // k_pages
-                                  .Arg<ffi::AnyBuffer>()         // v_pages
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // context_lens
+                              FERRY_PAGED_ATTENTION_BINDING(
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
-                                  .Ret<ffi::AnyBuffer>()         // out
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap"));
+                                  ));
+
+#undef FERRY_PAGED_ATTENTION_BINDING
 
 // Let the loader (pallas_kernels/native.py) check that the library matches the Python side and
 // was built from this very source (the build passes -DFERRY_SOURCE_HASH=<sha256 prefix>).
