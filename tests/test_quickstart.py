@@ -1,0 +1,99 @@
+"""The README's first command (`make serve`) on a clean copy, the embedded model, and the demo notebook."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from openai import OpenAI
+
+from models.loading import load_model
+from models.tokenizer import load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(ROOT, "models", "default")
+
+
+def _tracked_files():
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode == 0 and out.stdout.strip():
+        return out.stdout.split()
+    pytest.fail("the quickstart test needs the git checkout (git ls-files)")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_embedded_model_loads_with_its_tokenizer():
+    model = load_model(DEFAULT_MODEL)
+    report = json.load(open(os.path.join(DEFAULT_MODEL, "train_report.json")))
+    assert model.cfg.to_json() == report["model_config"]
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    assert tokenizer.vocab_size == model.cfg.vocab_size
+    assert tokenizer.bos_token_id == model.cfg.bos_token_id
+    assert set(model.cfg.eos_token_ids) <= set(tokenizer.eos_token_ids)
+    text = "def add(a, b):\n    return a + b  # café"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert report["held_out_perplexity"] * 10 <= report["uniform_perplexity"]
+
+
+def test_make_serve_on_a_clean_copy(tmp_path):
+    """`make serve` in a fresh copy of the tracked files serves the embedded model; one completion
+    through the OpenAI client comes back non-empty. The copy reuses this test run's environment
+    (make -o: the install step counts as done) rather than installing a second one."""
+    copy = tmp_path / "ferry"
+    for name in _tracked_files():
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), copy / name)
+    port, venv = _free_port(), sys.prefix
+    env = {**os.environ, "FERRY_COMPILATION_CACHE": "0", "PYTHONUNBUFFERED": "1"}
+    command = ["make", "serve", f"PORT={port}", f"VENV={venv}", "-o", f"{venv}/.installed-serve",
+               "SERVE_FLAGS=--max_num_seqs=4 --max_model_len=128 --nowarmup"]
+    proc = subprocess.Popen(command, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline, log = time.monotonic() + 300, []
+        while True:
+            assert proc.poll() is None, "make serve exited:\n" + "".join(log) + proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up in 300 s"
+            time.sleep(1)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        model_name = client.models.list().data[0].id
+        reply = client.completions.create(model=model_name, prompt="def", max_tokens=16, temperature=0)
+        assert reply.choices[0].text.strip()
+        assert reply.usage.completion_tokens > 0
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+    assert f"http://127.0.0.1:{port}" in output and "curl" in output, output
+
+
+def test_demo_notebook_runs_end_to_end():
+    nb = nbformat.read(os.path.join(ROOT, "notebooks", "demo.ipynb"), as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+    outputs = ["".join(o.get("text", "")) for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    text = "\n".join(outputs)
+    assert "def fibonacci(n):" in text and "output tokens/s" in text and "preemptions" in text
+    images = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs
+              if "image/png" in o.get("data", {})]
+    assert len(images) == 2, "the batching and throughput plots"
