@@ -114,13 +114,18 @@ FLAG_HELP = {
     "max_eval_windows": "Cap on held-out windows per evaluation (0: all).",
     "sample_tokens": "New tokens per sample generation.",
 }
-_DEFINE = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.DEFINE_float}
-for _field in dataclasses.fields(TrainOptions):
-    if _field.name == "tokenizer_type":
-        flags.DEFINE_enum(_field.name, _field.default, ["bpe", "unigram"], FLAG_HELP[_field.name])
-    else:
-        _DEFINE[_field.type](_field.name, _field.default, FLAG_HELP[_field.name])
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """One flag per TrainOptions field. Only when run as a script: importing this module (the tests,
+    heldout_task.py) must not claim flag names such as --seed that other modules define."""
+    define = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.DEFINE_float}
+    for field in dataclasses.fields(TrainOptions):
+        if field.name == "tokenizer_type":
+            flags.DEFINE_enum(field.name, field.default, ["bpe", "unigram"], FLAG_HELP[field.name])
+        else:
+            define[field.type](field.name, field.default, FLAG_HELP[field.name])
 
 
 def options_from_flags() -> TrainOptions:
@@ -500,4 +505,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -1,0 +1,38 @@
+"""Smoke runs of the small benchmark scripts at tiny sizes: they run, print their table, write their JSON."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT, "FERRY_COMPILATION_CACHE": "0"}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_benchmark_batch(tmp_path):
+    out = tmp_path / "batch.json"
+    stdout = _run(["scripts/benchmark_batch.py", "--batches=1,4", "--prompt_len=8", "--output_len=6", "--layers=1",
+                   "--hidden=64", "--vocab=256", "--block_size=8", f"--json_out={out}"], tmp_path)
+    assert "host %" in stdout
+    rows = json.load(open(out))["results"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["output_tokens"] == r["batch"] * 6 and r["tokens_per_s"] > 0
+        assert 0 < r["host_share"] < 1 and 0 < r["device_share"] < 1
+
+
+def test_bench_native_attention(tmp_path):
+    out = tmp_path / "native.json"
+    stdout = _run(["scripts/bench_native_attention.py", "--batch=2", "--head_dims", "32", "--contexts", "16", "40",
+                   "--runs=2", "--warmup=1", "--json_out", str(out)], tmp_path)
+    assert "native" in stdout
+    rows = json.load(open(out))["results"]
+    assert [(r["head_dim"], r["context"]) for r in rows] == [(32, 16), (32, 40)]
+    for r in rows:
+        assert r["native_ms"] > 0 and r["reference_ms"] > 0 and r["max_abs_err"] < 1e-5
