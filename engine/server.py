@@ -18,6 +18,7 @@ Endpoints: POST /v1/completions, /v1/chat/completions (both with `stream`), GET 
 code}}`; request validation errors are 400 (not FastAPI's 422), as OpenAI and vLLM answer them.
 """
 
+import abc
 import asyncio
 import contextlib
 import dataclasses
@@ -594,7 +595,7 @@ class _ChoiceState:
     text_offset: int = 0               # completions' logprobs.text_offset of the next streamed token
 
 
-class _ResponseBuilder:
+class _ResponseBuilder(abc.ABC):
     """Turns one API request's engine deltas into OpenAI choices: streamed chunks as they come, or the
     whole response at the end. Choice i*n + j is sample j of prompt i. Subclasses give the shapes."""
 
@@ -636,14 +637,17 @@ class _ResponseBuilder:
     def opening_chunks(self) -> list[dict]:
         return []
 
+    @abc.abstractmethod
     def chunk(self, index: int, delta: CompletionOutput) -> dict:
-        raise NotImplementedError
+        """One streamed chunk for `delta` of choice `index`."""
 
+    @abc.abstractmethod
     def usage_chunk(self) -> dict:
-        raise NotImplementedError
+        """The final streamed chunk carrying usage."""
 
+    @abc.abstractmethod
     def response(self) -> dict:
-        raise NotImplementedError
+        """The whole non-streamed response."""
 
 
 class _CompletionBuilder(_ResponseBuilder):
