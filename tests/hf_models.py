@@ -5,6 +5,7 @@ written with `save_pretrained`, exactly as a user's checkpoint directory would l
 """
 
 import dataclasses
+import shutil
 
 import numpy as np
 import torch
@@ -124,3 +125,19 @@ def check_greedy_match(ours: list[int], ref: list[int], ref_logits: np.ndarray, 
             return f"tie at step {i}: ferry {a} vs transformers {b} (reference top-two gap {gap:.2e})"
     assert len(ours) == len(ref)
     return None
+
+
+def make_text_model(tmp_path_factory, seed: int, chat_template: str | None = None):
+    """(model dir, torch model): a random llama whose vocabulary is the byte-level BPE test tokenizer's
+    (tests/tokenizer_fixtures.py), with the tokenizer files beside the weights as in a real checkpoint."""
+    from tokenizer_fixtures import write_byte_level_bpe_dir  # noqa: PLC0415 (only the text tests need it)
+    from models.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    tok_dir = write_byte_level_bpe_dir(tmp_path_factory.mktemp("tok"), chat_template=chat_template)
+    vocab = load_tokenizer(str(tok_dir)).vocab_size
+    out = tmp_path_factory.mktemp("model")
+    torch_model = make_hf_model("llama3", out, seed=seed, vocab_size=vocab, bos_token_id=0, eos_token_id=2,
+                                pad_token_id=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, out / name)
+    return str(out), torch_model

@@ -5,7 +5,6 @@ the targets; every request goes through one LLM.generate call; the JSON has ever
 import importlib.util
 import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +14,8 @@ from absl import flags
 
 from engine.engine import LLM, EngineConfig
 from engine.sampling_params import SamplingParams
-from hf_models import hf_logits, make_hf_model
+from hf_models import hf_logits, make_text_model
 from models.tokenizer import load_tokenizer
-from tokenizer_fixtures import write_byte_level_bpe_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tests" / "data" / "tiny_task.jsonl"
@@ -49,14 +47,7 @@ def eval_tasks():
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """(model dir, torch model): a random llama over the byte-level BPE test tokenizer."""
-    tok_dir = write_byte_level_bpe_dir(tmp_path_factory.mktemp("tok"))
-    vocab = load_tokenizer(str(tok_dir)).vocab_size
-    out = tmp_path_factory.mktemp("model")
-    torch_model = make_hf_model("llama3", out, seed=5, vocab_size=vocab, bos_token_id=0, eos_token_id=2,
-                                pad_token_id=1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tok_dir / name, out / name)
-    return str(out), torch_model
+    return make_text_model(tmp_path_factory, seed=5)
 
 
 def _task_lines() -> list[dict]:

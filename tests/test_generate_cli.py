@@ -4,7 +4,6 @@ per-line overrides; streaming; bad flags and a missing model exit 2 with a messa
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -15,9 +14,7 @@ from engine import cli_flags
 from engine import generate
 from engine.engine import LLM, EngineConfig
 from engine.sampling_params import SamplingParams
-from hf_models import make_hf_model
-from models.tokenizer import load_tokenizer
-from tokenizer_fixtures import write_byte_level_bpe_dir
+from hf_models import make_text_model
 
 FLAGS = flags.FLAGS
 CONFIG = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=128)
@@ -31,13 +28,7 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['c
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A random llama over the byte-level BPE test tokenizer (with a chat template), files side by side."""
-    tok_dir = write_byte_level_bpe_dir(tmp_path_factory.mktemp("tok"), chat_template=CHAT_TEMPLATE)
-    vocab = load_tokenizer(str(tok_dir)).vocab_size
-    out = tmp_path_factory.mktemp("model")
-    make_hf_model("llama3", out, seed=11, vocab_size=vocab, bos_token_id=0, eos_token_id=2, pad_token_id=1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tok_dir / name, out / name)
-    return str(out)
+    return make_text_model(tmp_path_factory, seed=11, chat_template=CHAT_TEMPLATE)[0]
 
 
 @pytest.fixture(scope="module")

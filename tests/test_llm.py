@@ -1,6 +1,5 @@
 """The user-facing engine: LLM.generate against transformers, seeds, logprobs, n > 1, stop strings, bad input."""
 
-import shutil
 
 import numpy as np
 import pytest
@@ -8,10 +7,8 @@ import torch
 
 from engine.engine import LLM, EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from hf_models import ARCHS, check_greedy_match, hf_greedy, hf_logits, make_hf_model
+from hf_models import ARCHS, check_greedy_match, hf_greedy, hf_logits, make_hf_model, make_text_model
 from models.loading import load_model
-from models.tokenizer import load_tokenizer
-from tokenizer_fixtures import write_byte_level_bpe_dir
 
 CONFIG = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=128)
 
@@ -107,14 +104,7 @@ def test_n_samples_share_the_prompt_and_match_single_runs(llama):
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
     """A random llama whose vocabulary is a byte-level BPE tokenizer's, with the tokenizer files beside it."""
-    tok_dir = write_byte_level_bpe_dir(tmp_path_factory.mktemp("tok"))
-    vocab = load_tokenizer(str(tok_dir)).vocab_size
-    model_dir = tmp_path_factory.mktemp("model")
-    make_hf_model("llama3", model_dir, seed=_fresh_seed(), vocab_size=vocab, bos_token_id=0, eos_token_id=2,
-                  pad_token_id=1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tok_dir / name, model_dir / name)
-    return str(model_dir)
+    return make_text_model(tmp_path_factory, seed=_fresh_seed())[0]
 
 
 def test_stop_strings_and_streamed_text(text_model):

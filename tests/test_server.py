@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,9 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.server import ServerConfig, build_app
-from hf_models import make_hf_model
-from models.tokenizer import load_tokenizer
-from tokenizer_fixtures import write_byte_level_bpe_dir
+from hf_models import make_text_model
 
 API_KEY = "sk-test-key"
 MODEL_NAME = "tiny-llama"
@@ -46,13 +43,7 @@ NO_EOS = {"ignore_eos": True}  # vLLM's extra field: lengths (and so token count
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     """A random llama whose vocabulary is a byte-level BPE tokenizer's (with a chat template) beside it."""
-    tok_dir = write_byte_level_bpe_dir(tmp_path_factory.mktemp("tok"), chat_template=CHAT_TEMPLATE)
-    vocab = load_tokenizer(str(tok_dir)).vocab_size
-    out = tmp_path_factory.mktemp("model")
-    make_hf_model("llama3", out, seed=0, vocab_size=vocab, bos_token_id=0, eos_token_id=2, pad_token_id=1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tok_dir / name, out / name)
-    return str(out)
+    return make_text_model(tmp_path_factory, seed=0, chat_template=CHAT_TEMPLATE)[0]
 
 
 @dataclasses.dataclass(slots=True)
