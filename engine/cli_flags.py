@@ -14,6 +14,7 @@ bounds while parsing (`parse_flags_or_exit`, for `app.run(flags_parser=...)`), s
 """
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -213,3 +214,28 @@ def quiet_absl_logging():
     """WARNING unless --verbosity was given: JAX logs backend probing at INFO, noise on a command line."""
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
+
+
+def read_jsonl_objects(path: str, flag: str, error: type[Exception]) -> list[tuple[str, int, dict]]:
+    """(where, line number, object) for each non-blank line of a JSONL file given as --`flag`; any
+    unreadable file, bad line or empty file raises `error` with a message naming the file (and line)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise error(f"--{flag}={path}: {e.strerror}") from None
+    objects = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise error(f"{where}: not JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise error(f"{where}: expected a JSON object")
+        objects.append((where, number, obj))
+    if not objects:
+        raise error(f"--{flag}={path}: nothing in the file")
+    return objects

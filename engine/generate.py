@@ -68,26 +68,12 @@ def requests_from_flags(params: SamplingParams) -> list[GenerationRequest]:
 
 
 def read_jsonl_requests(path: str, defaults: SamplingParams) -> list[GenerationRequest]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except OSError as e:
-        raise InputError(f"--input={path}: {e.strerror}") from None
-    requests = [parse_request_line(line, defaults, f"{path}:{number}")
-                for number, line in enumerate(lines, start=1) if line.strip()]
-    if not requests:
-        raise InputError(f"--input={path}: no requests in the file")
-    return requests
+    return [parse_request(obj, defaults, where)
+            for where, _, obj in cli_flags.read_jsonl_objects(path, "input", InputError)]
 
 
-def parse_request_line(line: str, defaults: SamplingParams, where: str) -> GenerationRequest:
-    """One JSONL line -> a request; unknown keys are an error (a misspelt override must not pass silently)."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{where}: not JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise InputError(f"{where}: expected a JSON object")
+def parse_request(obj: dict, defaults: SamplingParams, where: str) -> GenerationRequest:
+    """One JSONL object -> a request; unknown keys are an error (a misspelt override must not pass silently)."""
     given = [k for k in PROMPT_KEYS if k in obj]
     if len(given) != 1:
         raise InputError(f"{where}: give exactly one of {', '.join(PROMPT_KEYS)}")

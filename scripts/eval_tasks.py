@@ -76,24 +76,12 @@ class EvalRequest:
 # ------------------------------------------------------------------ reading tasks
 
 def read_tasks(path: str) -> list[Task]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except OSError as e:
-        raise TaskError(f"--tasks={path}: {e.strerror}") from None
-    tasks = [parse_task(line, number, f"{path}:{number}") for number, line in enumerate(lines, start=1)
-             if line.strip()]
-    if not tasks:
-        raise TaskError(f"--tasks={path}: no tasks in the file")
-    return tasks
+    return [parse_task(spec, number, where)
+            for where, number, spec in cli_flags.read_jsonl_objects(path, "tasks", TaskError)]
 
 
-def parse_task(line: str, number: int, where: str) -> Task:
-    try:
-        spec = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise TaskError(f"{where}: not JSON ({e})") from None
-    if not isinstance(spec, dict) or spec.get("type") not in TASK_TYPES:
+def parse_task(spec: dict, number: int, where: str) -> Task:
+    if spec.get("type") not in TASK_TYPES:
         raise TaskError(f"{where}: expected an object with \"type\" one of {', '.join(TASK_TYPES)}")
     _check_fields(spec, where)
     return Task(spec["type"], number, spec)
