@@ -179,7 +179,7 @@ class LLMEngine:
             samples.append(_Sample(index, request, self._detokenizer(prompt_ids, params),
                                    logprobs=[] if params.logprobs is not None else None))
             if samples[-1].detokenizer is not None:
-                request.stop_checker = _stop_string_checker(samples[-1])
+                request.stop_checker = _stop_string_checker(samples[-1], tuple(params.stop))
         group = _Group(request_id, text, list(prompt_ids), params, samples, unforked=params.n - 1,
                        prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                        arrival_time=time.monotonic())
@@ -204,8 +204,10 @@ class LLMEngine:
     def _detokenizer(self, prompt_ids, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
+        # Stop strings join once min_tokens are out (_stop_string_checker), as vLLM checks them.
+        stops = tuple(params.stop) if params.min_tokens == 0 else ()
         return IncrementalDetokenizer(self.tokenizer, list(prompt_ids), params.skip_special_tokens,
-                                      tuple(params.stop), params.include_stop_str_in_output)
+                                      stops, params.include_stop_str_in_output)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (all its samples) in any state; its blocks are freed now. False if unknown."""
@@ -319,10 +321,13 @@ class LLMEngine:
                              group.prompt_logprobs if (group.finished or not delta) else None, metrics)
 
 
-def _stop_string_checker(sample: _Sample):
-    """Feed every new token to the sample's detokenizer; report "stop" when a stop string completes."""
+def _stop_string_checker(sample: _Sample, stops: tuple[str, ...]):
+    """Feed every new token to the sample's detokenizer; report "stop" when a stop string completes.
+    The stop strings count only once the output has min_tokens tokens."""
 
     def check(request: Request) -> str | None:
+        if stops and not sample.detokenizer.stop and request.num_output_tokens >= request.min_tokens:
+            sample.detokenizer.stop = stops
         sample.text += sample.detokenizer.add_token(request.output_token_ids[-1])
         return "stop" if sample.detokenizer.stopped_by is not None else None
 

@@ -84,9 +84,12 @@ class Request:
         return None
 
     @property
-    def suppresses_stop_tokens(self) -> bool:
-        """min_tokens not reached yet: EOS and stop tokens must not be sampled."""
-        return len(self.output_token_ids) < self.min_tokens and bool(self.eos_token_ids or self.stop_token_ids)
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Ids that must not be sampled now: the tokens that would stop the request (EOS unless ignored,
+        and stop_token_ids) while min_tokens is not reached."""
+        if len(self.output_token_ids) >= self.min_tokens:
+            return ()
+        return self.stop_token_ids + (() if self.ignore_eos else self.eos_token_ids)
 
     def finish(self, reason: str) -> None:
         self.status = RequestStatus.FINISHED

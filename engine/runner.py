@@ -169,9 +169,8 @@ class ModelRunner:
 
     def _sampling_row(self, request, history_len: int) -> SamplingRow:
         params = request.params or GREEDY
-        banned = request.eos_token_ids + request.stop_token_ids if request.suppresses_stop_tokens else ()
         return SamplingRow(params, request.seed, request.num_output_tokens, request.all_token_ids[:history_len],
-                           request.num_prompt_tokens, banned)
+                           request.num_prompt_tokens, request.banned_token_ids)
 
     def layout_for(self, seqs, decode: bool, all_logits: bool = False) -> StepLayout:
         b = self.buckets

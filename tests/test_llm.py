@@ -123,6 +123,15 @@ def test_stop_strings_and_streamed_text(text_model):
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == full.text[:full.text.index(stop)]
+    # Before min_tokens a stop string does not count: the text runs past its first occurrence.
+    first_stop_token = next(i for i in range(len(pieces)) if stop in pieces[i][len(pieces[0]):])
+    min_tokens = first_stop_token + 3
+    late = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                                         min_tokens=min_tokens), use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) >= min_tokens
+    assert late.text == full.text[:len(late.text)] and len(late.text) > full.text.index(stop) + len(stop)
+    if late.finish_reason == "stop":
+        assert late.text == full.text[:full.text.index(stop, full.text.index(stop) + 1)]
     # Streamed deltas concatenate to the final text.
     engine = llm.engine
     rid = engine.add_request(None, "hello world", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
@@ -149,3 +158,18 @@ def test_bad_input_fails_at_submission_naming_the_field(llama):
     with pytest.raises(SamplingParamsError, match="empty"):
         engine.add_request(None, [], SamplingParams())
     assert not engine.has_unfinished() and engine.scheduler.block_pool.num_used == 0
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(llama):
+    """A stop token id is never sampled before min_tokens; without min_tokens it stops at once."""
+    seed, _, loaded = llama
+    llm = LLM(loaded, EngineConfig(**CONFIG))
+    prompt = np.random.default_rng(seed).integers(3, 384, size=9).tolist()
+    first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids[0]
+    stopped = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[first]),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop" and stopped.stop_reason == first
+    held = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[first], min_tokens=4),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 4 and first not in held.token_ids[:4]
