@@ -45,6 +45,11 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def last_token_id(self) -> int:
+        """The next decode input, without building all_token_ids (a hot-path call)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

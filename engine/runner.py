@@ -139,7 +139,7 @@ class ModelRunner:
         for i in range(0, len(plain), self.buckets.prefill_seqs):
             self._run_prefill(plain[i:i + self.buckets.prefill_seqs], out, score=False)
         if plan.decodes:
-            seqs = [SeqSlice(r.all_token_ids[-1:], r.num_tokens - 1, r.block_ids) for r in plan.decodes]
+            seqs = [SeqSlice([r.last_token_id], r.num_tokens - 1, r.block_ids) for r in plan.decodes]
             layout = self.layout_for(seqs, decode=True)
             rows = [self._sampling_row(r, r.num_tokens) for r in plan.decodes]
             self._collect(plan.decodes, self._call(seqs, layout, rows), out)
@@ -169,8 +169,14 @@ class ModelRunner:
 
     def _sampling_row(self, request, history_len: int) -> SamplingRow:
         params = request.params or GREEDY
-        return SamplingRow(params, request.seed, request.num_output_tokens, request.all_token_ids[:history_len],
-                           request.num_prompt_tokens, request.banned_token_ids)
+        # The token history only feeds the penalties: copying prompt + outputs for every row every step
+        # would be O(context) host work that the greedy path throws away.
+        if params.has_penalties:
+            history, prompt_len = request.all_token_ids[:history_len], request.num_prompt_tokens
+        else:
+            history, prompt_len = (), 0
+        return SamplingRow(params, request.seed, request.num_output_tokens, history, prompt_len,
+                           request.banned_token_ids)
 
     def layout_for(self, seqs, decode: bool, all_logits: bool = False) -> StepLayout:
         b = self.buckets

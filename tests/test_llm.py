@@ -173,3 +173,28 @@ def test_min_tokens_bans_stop_tokens_until_reached(llama):
     held = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[first], min_tokens=4),
                         use_tqdm=False)[0].outputs[0]
     assert len(held.token_ids) >= 4 and first not in held.token_ids[:4]
+
+
+def test_repetition_penalty_matches_transformers(llama):
+    """Penalties reach the device sampler with each row's token history: greedy with a repetition
+    penalty equals transformers' generate with its RepetitionPenaltyLogitsProcessor (same formula,
+    over prompt and output tokens)."""
+    seed, torch_model, loaded = llama
+    llm = LLM(loaded, EngineConfig(**CONFIG))
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 40, size=n).tolist() for n in (6, 19)]  # a small id range: many repeats
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, repetition_penalty=1.8, max_tokens=20,
+                                                   ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            ref = torch_model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                       repetition_penalty=1.8, output_scores=True, return_dict_in_generate=True,
+                                       pad_token_id=0)
+        ref_tokens = ref.sequences[0, len(prompt):].tolist()
+        scores = torch.stack(ref.scores, dim=1)[0].float().numpy()
+        tie = check_greedy_match(out.outputs[0].token_ids, ref_tokens, scores)
+        if tie:
+            print(f"seed {seed}: accepted {tie}")
+        plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+        assert plain != out.outputs[0].token_ids, "the penalty should change this greedy continuation"
