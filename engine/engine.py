@@ -6,6 +6,7 @@ incrementally (stop strings included) and returns per-request deltas.
 """
 
 import dataclasses
+import logging
 import math
 import os
 import random
@@ -22,6 +23,13 @@ from engine.sampling_params import MAX_SEED, SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerConfig
 from models.loading import LoadedModel, load_model
 from models.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger("ferry")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on: the device state is lost (a fault after the KV cache was donated, a failed
+    swap copy) or the scheduler itself failed. Every request is lost; the process should restart."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,7 +62,7 @@ class CompletionOutput:
     index: int                             # which of the request's n samples
     text: str                              # in a step's delta: the new text; in a final output: all of it
     token_ids: list[int]
-    finish_reason: str | None = None       # "stop", "length", "abort"
+    finish_reason: str | None = None       # "stop", "length", "abort", "error"
     logprobs: list[dict[int, float]] | None = None  # per token: {id: logprob} of the sampled and top ids
     stop_reason: str | int | None = None   # the stop string or token id that ended it
 
@@ -68,6 +76,7 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: dict = dataclasses.field(default_factory=dict)
+    error: str | None = None               # set when the request failed (finish_reason "error"); others go on
 
 
 @dataclasses.dataclass(slots=True)
@@ -81,6 +90,7 @@ class _Sample:
     logprobs: list[dict[int, float]] | None = None
     emitted_tokens: int = 0                # output tokens already returned in a delta
     emitted_text: int = 0                  # characters of text already returned in a delta
+    error: str | None = None               # why this sample failed (its detokenizer raised)
 
 
 @dataclasses.dataclass(slots=True)
@@ -97,10 +107,16 @@ class _Group:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    error: str | None = None               # the group failed: every sample ended with "error"
 
     @property
     def finished(self) -> bool:
-        return not self.unforked and all(s.request.is_finished for s in self.samples)
+        return self.error is not None or (not self.unforked and all(s.request.is_finished for s in self.samples))
+
+    @property
+    def started_samples(self) -> list["_Sample"]:
+        """Samples known to the scheduler (the unforked wait for sample 0's prompt)."""
+        return self.samples[:len(self.samples) - self.unforked]
 
 
 def enable_compilation_cache():
@@ -164,6 +180,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request {request_id!r}: duplicate request id")
         text, prompt_ids = self._prompt(prompt)
+        stop_token_ids = self._stop_token_ids(params)
         if len(prompt_ids) + 1 > self.max_model_len:  # room for at least one generated token
             raise SamplingParamsError("prompt", f"the prompt has {len(prompt_ids)} tokens; with at least one "
                                       f"token to generate it exceeds max_model_len={self.max_model_len}")
@@ -174,7 +191,7 @@ class LLMEngine:
             request = Request(
                 request_id=f"{request_id}#{index}", prompt_token_ids=list(prompt_ids), max_tokens=max_tokens,
                 priority=params.priority, eos_token_ids=self.eos_token_ids,
-                stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                stop_token_ids=stop_token_ids, ignore_eos=params.ignore_eos,
                 min_tokens=params.min_tokens, params=params, seed=(base_seed + index) % MAX_SEED)
             samples.append(_Sample(index, request, self._detokenizer(prompt_ids, params),
                                    logprobs=[] if params.logprobs is not None else None))
@@ -191,6 +208,13 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt token ids")
+            if not prompt:
+                raise SamplingParamsError("prompt", "the prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise SamplingParamsError("prompt", f"the prompt is not valid Unicode: {e.reason} at "
+                                          f"character {e.start}") from None
             return prompt, self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
         if not ids:
@@ -200,6 +224,15 @@ class LLMEngine:
             raise SamplingParamsError("prompt", f"token ids {bad[:5]} are outside the vocabulary "
                                       f"[0, {self.model.cfg.vocab_size})")
         return None, ids
+
+    def _stop_token_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """The request's stop ids, deduplicated; each must be a vocabulary id (they are masked on the device)."""
+        vocab_size = self.model.cfg.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise SamplingParamsError("stop_token_ids", f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {vocab_size})")
+        return tuple(dict.fromkeys(params.stop_token_ids))
 
     def _detokenizer(self, prompt_ids, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -214,11 +247,14 @@ class LLMEngine:
         group = self._groups.pop(request_id, None)
         if group is None:
             return False
-        for sample in group.samples[:len(group.samples) - group.unforked]:
-            request = self.scheduler.abort(sample.request.request_id)
+        self._abort_samples(group, "abort")
+        return True
+
+    def _abort_samples(self, group: _Group, reason: str) -> None:
+        for sample in group.started_samples:
+            request = self.scheduler.abort(sample.request.request_id, reason)
             if request is not None:
                 self.runner.drop_swapped(request.host_block_ids)
-        return True
 
     def has_unfinished(self) -> bool:
         return bool(self._groups) or self.scheduler.has_unfinished()
@@ -230,12 +266,22 @@ class LLMEngine:
     # -------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns a delta for every request that advanced or finished."""
+        """One engine step; returns a delta for every request that advanced or finished.
+
+        Fault isolation: a request whose step fails (its inputs, its sampling, its detokenizing) ends with
+        finish_reason "error" and its blocks freed, and the rest of the batch goes on. Only a fault that
+        leaves the device state unknown raises EngineDeadError."""
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        try:
+            plan = self.scheduler.schedule()
+        except Exception as e:
+            raise EngineDeadError(f"the scheduler failed: {e!r}") from e
         t1 = time.perf_counter()
-        out = self.runner.execute(plan)
+        failed: dict[str, Exception] = {}
+        out = self._execute(plan, failed)
         t2 = time.perf_counter()
+        for group_id, error in failed.items():
+            self._fail_group(group_id, error)
         self.scheduler.postprocess(plan, out.tokens)
         deltas = self._deltas(out)
         t3 = time.perf_counter()
@@ -246,16 +292,66 @@ class LLMEngine:
         times["steps"] += 1
         return deltas
 
+    def _execute(self, plan, failed: dict[str, Exception]) -> RunnerOutput:
+        """Run the plan; if it fails, find the requests that make it fail (halving the batch until one
+        request is left) and record their groups in `failed`. The others' results come back as usual."""
+        try:
+            self.runner.swap(plan)
+            return self.runner.run(plan.prefills, plan.decodes)
+        except Exception as e:
+            if self.runner.cache_lost or not (plan.prefills or plan.decodes):
+                raise EngineDeadError(f"the step failed with the device state lost: {e!r}") from e
+            log.warning("step %d failed (%r); isolating the requests that cause it", self.scheduler.stats()["step"], e)
+            units = [([c], []) for c in plan.prefills] + [([], [r]) for r in plan.decodes]
+            out = RunnerOutput()
+            self._run_isolating(units, e, out, failed)
+            return out
+
+    def _run_isolating(self, units, error: Exception | None, out: RunnerOutput, failed: dict) -> None:
+        """Run `units` (([prefill chunk], [decode request]) pairs) together, or in halves if that fails."""
+        if error is None:
+            try:
+                out.update(self.runner.run([c for p, _ in units for c in p], [r for _, d in units for r in d]))
+                return
+            except Exception as e:
+                if self.runner.cache_lost:
+                    raise EngineDeadError(f"the step failed with the device state lost: {e!r}") from e
+                error = e
+        if len(units) == 1:
+            (prefill, decode), = units
+            request = (prefill[0].request if prefill else decode[0])
+            failed.setdefault(request.request_id.rpartition("#")[0], error)
+            return
+        half = len(units) // 2
+        self._run_isolating(units[:half], None, out, failed)
+        self._run_isolating(units[half:], None, out, failed)
+
+    def _fail_group(self, group_id: str, error: BaseException) -> None:
+        """End every sample of a failed request with "error", freeing its blocks; the next deltas report it."""
+        group = self._groups.get(group_id)
+        if group is None or group.error is not None:
+            return
+        log.error("request %s failed: %r", group_id, error)
+        group.error = f"{type(error).__name__}: {error}"
+        self._abort_samples(group, "error")
+        for sample in group.samples:
+            sample.request.finish("error")
+
     def _deltas(self, out: RunnerOutput) -> list[RequestOutput]:
         now = time.monotonic()
         deltas = []
         for group in list(self._groups.values()):
-            self._record_prompt_logprobs(group, out)
-            self._fork(group)
             changed = []
-            for sample in group.samples[:len(group.samples) - group.unforked]:
-                if self._advance(sample, out):
-                    changed.append(sample)
+            if group.error is None:
+                try:
+                    changed = self._advance_group(group, out)
+                except Exception as e:  # this request's own post-processing failed: it alone ends
+                    self._fail_group(group.request_id, e)
+                broken = next((s.error for s in group.samples if s.error), None)
+                if broken is not None:  # its detokenizer failed inside postprocess
+                    self._fail_group(group.request_id, RuntimeError(broken))
+            if group.error is not None:
+                changed = group.samples
             if not changed:
                 continue
             if group.first_token_time is None:
@@ -265,6 +361,12 @@ class LLMEngine:
                 del self._groups[group.request_id]
             deltas.append(self._output(group, changed, delta=True))
         return deltas
+
+    def _advance_group(self, group: _Group, out: RunnerOutput) -> list[_Sample]:
+        """Fold the step's results into the group; returns the samples with something new to report."""
+        self._record_prompt_logprobs(group, out)
+        self._fork(group)
+        return [sample for sample in group.started_samples if self._advance(sample, out)]
 
     def _fork(self, group: _Group):
         """Once sample 0's prompt is cached, the other samples share its full prompt blocks."""
@@ -318,7 +420,8 @@ class LLMEngine:
         metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
                    "finished_time": group.finished_time}
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.finished,
-                             group.prompt_logprobs if (group.finished or not delta) else None, metrics)
+                             group.prompt_logprobs if (group.finished or not delta) else None, metrics,
+                             error=group.error)
 
 
 def _stop_string_checker(sample: _Sample, stops: tuple[str, ...]):
@@ -328,7 +431,11 @@ def _stop_string_checker(sample: _Sample, stops: tuple[str, ...]):
     def check(request: Request) -> str | None:
         if stops and not sample.detokenizer.stop and request.num_output_tokens >= request.min_tokens:
             sample.detokenizer.stop = stops
-        sample.text += sample.detokenizer.add_token(request.output_token_ids[-1])
+        try:
+            sample.text += sample.detokenizer.add_token(request.output_token_ids[-1])
+        except Exception as e:  # inside the scheduler's postprocess: never let one request's text stop the step
+            sample.error = f"{type(e).__name__}: {e}"
+            return "error"
         return "stop" if sample.detokenizer.stopped_by is not None else None
 
     return check

@@ -57,7 +57,7 @@ class ServerMetrics:
         # Every label value exists from the start, so a scrape shows zeros rather than missing series.
         for mode in ("swap", "recompute"):
             self._preemptions.labels(model_name, mode)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self._request_success.labels(model_name, reason)
 
     def record_scheduler_stats(self, stats: dict) -> None:

@@ -31,11 +31,11 @@ class Request:
     num_computed_tokens: int = 0            # tokens whose K/V are in the device cache
     block_ids: list[int] = field(default_factory=list)       # device blocks, append-only while running
     host_block_ids: list[int] = field(default_factory=list)  # host blocks while swapped
-    finish_reason: str | None = None        # "stop", "length", "abort"
+    finish_reason: str | None = None        # "stop", "length", "abort", "error"
     num_preemptions: int = 0
     # Stop strings plug in here: called with the request after EVERY appended token (the engine's
     # incremental detokenizer consumes each one), returns a finish reason or None; honoured once
-    # min_tokens is met.
+    # min_tokens is met ("error", the checker's own failure, at once).
     stop_checker: Callable[["Request"], str | None] | None = None
     params: SamplingParams | None = None    # None: greedy
     seed: int = 0                           # the request's seed (drawn by the engine when not given)
@@ -79,6 +79,8 @@ class Request:
     def check_stop(self, token: int, max_model_len: int) -> str | None:
         """Finish reason after `token` was appended to the outputs, or None to go on."""
         text_stop = self.stop_checker(self) if self.stop_checker is not None else None
+        if text_stop == "error":  # the checker itself failed on this request: it ends now
+            return text_stop
         if len(self.output_token_ids) >= self.min_tokens:
             if token in self.stop_token_ids or (token in self.eos_token_ids and not self.ignore_eos):
                 return "stop"

@@ -40,6 +40,11 @@ class RunnerOutput:
     # request id -> [(logprob of the next prompt token, top-k), ...] for this step's scored prompt rows
     prompt_logprobs: dict[str, list] = dataclasses.field(default_factory=dict)
 
+    def update(self, other: "RunnerOutput") -> None:
+        self.tokens.update(other.tokens)
+        self.logprobs.update(other.logprobs)
+        self.prompt_logprobs.update(other.prompt_logprobs)
+
 
 def _wants_prompt_logprobs(request) -> bool:
     return request.params is not None and request.params.prompt_logprobs is not None
@@ -127,23 +132,38 @@ class ModelRunner:
 
     def execute(self, plan) -> "RunnerOutput":
         """Run one StepPlan: swaps first, then the prefill chunks, then the decode batch."""
-        for device_ids, host_ids in plan.swap_out:  # first: those device blocks may be reused below
+        self.swap(plan)
+        return self.run(plan.prefills, plan.decodes)
+
+    def swap(self, plan) -> None:
+        """The plan's block copies, swap-outs first: those device blocks may be reused by swap-ins."""
+        for device_ids, host_ids in plan.swap_out:
             self._swap_out(device_ids, host_ids)
         for host_ids, device_ids in plan.swap_in:
             self._swap_in(host_ids, device_ids)
+
+    def run(self, prefills, decodes) -> "RunnerOutput":
+        """The model over prefill chunks and decoding requests. Running a request again with the same
+        inputs rewrites the same K/V and samples the same token (seeded draws), so the engine may rerun
+        parts of a step to find the request that makes it fail."""
         out = RunnerOutput()
-        scoring = [c for c in plan.prefills if _wants_prompt_logprobs(c.request)]
-        plain = [c for c in plan.prefills if not _wants_prompt_logprobs(c.request)]
+        scoring = [c for c in prefills if _wants_prompt_logprobs(c.request)]
+        plain = [c for c in prefills if not _wants_prompt_logprobs(c.request)]
         for chunk in scoring:  # one per call: every row's logits are needed
             self._run_prefill([chunk], out, score=True)
         for i in range(0, len(plain), self.buckets.prefill_seqs):
             self._run_prefill(plain[i:i + self.buckets.prefill_seqs], out, score=False)
-        if plan.decodes:
-            seqs = [SeqSlice([r.last_token_id], r.num_tokens - 1, r.block_ids) for r in plan.decodes]
+        if decodes:
+            seqs = [SeqSlice([r.last_token_id], r.num_tokens - 1, r.block_ids) for r in decodes]
             layout = self.layout_for(seqs, decode=True)
-            rows = [self._sampling_row(r, r.num_tokens) for r in plan.decodes]
-            self._collect(plan.decodes, self._call(seqs, layout, rows), out)
+            rows = [self._sampling_row(r, r.num_tokens) for r in decodes]
+            self._collect(decodes, self._call(seqs, layout, rows), out)
         return out
+
+    @property
+    def cache_lost(self) -> bool:
+        """True when a failed jitted call had already consumed the donated KV cache: nothing can go on."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache))
 
     def _run_prefill(self, chunks, out: "RunnerOutput", score: bool):
         seqs = [SeqSlice(c.request.all_token_ids[c.start:c.start + c.length], c.start, c.request.block_ids)
@@ -193,7 +213,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         buf = pack(seqs, layout, self.block_size, all_logits=score_chunk is not None)
         mode = "full" if any(_needs_full_sampler(r) for r in rows) else "greedy"
-        sampling_md = (build_sampling_metadata(rows, layout.num_seqs, layout.width * self.block_size)
+        sampling_md = (build_sampling_metadata(rows, layout.num_seqs, layout.width * self.block_size,
+                                               self.model.cfg.vocab_size)
                        if mode == "full" else None)
         t1 = time.perf_counter()
         m = self.model

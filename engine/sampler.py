@@ -35,7 +35,8 @@ MODES = ("greedy", "full")
 PRNG_IMPL = "threefry2x32"  # named so tokens don't change with the jax_default_prng_impl flag
 HISTORY_PAD = -1
 TOP_CANDIDATES = 64  # best logits taken with lax.top_k; top-k / top-p past them bisect
-MAX_BANNED = 16      # EOS + stop token ids suppressed until min_tokens
+MASK_WORD_BITS = 32  # token bitmasks pack 32 vocabulary ids per uint32 word
+ALL_ALLOWED = np.uint32(0xFFFFFFFF)
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,7 +54,7 @@ class SamplingMetadata:
     output_index: jax.Array       # i32[B]; index of the token being sampled among the row's outputs
     history: jax.Array            # i32[B, L]; prompt + output tokens so far, padded with HISTORY_PAD
     prompt_len: jax.Array         # i32[B]; history[:, :prompt_len] is the prompt
-    banned: jax.Array             # i32[B, MAX_BANNED]; ids that must not be sampled (min_tokens), -1 pads
+    allowed: jax.Array            # u32[B, ceil(V / 32)]; bit t % 32 of word t // 32 set = token t may be sampled
 
 
 @dataclasses.dataclass(slots=True)
@@ -92,7 +93,7 @@ def _greedy_output(logits: jax.Array) -> SampleOutput:
 
 def _full_output(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int) -> SampleOutput:
     logits = logits.astype(jnp.float32)
-    penalised = ban_tokens(apply_penalties(logits, md), md.banned)
+    penalised = mask_tokens(apply_penalties(logits, md), md.allowed)
     greedy_row = md.temperature < GREEDY_TEMPERATURE
     # Greedy rows divide by 1 rather than ~0 (inf / nan); their draw is discarded below.
     scaled = penalised / jnp.where(greedy_row, 1.0, md.temperature)[:, None]
@@ -140,11 +141,14 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return logits - md.presence_penalty[:, None] * in_output.astype(jnp.float32)
 
 
-def ban_tokens(logits: jax.Array, banned: jax.Array) -> jax.Array:
-    """-inf at each row's banned ids (padding -1 goes to column V, which mode="drop" discards)."""
-    ids = jnp.where(banned >= 0, banned, logits.shape[-1])
-    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], ids.shape)
-    return logits.at[rows, ids].set(-jnp.inf, mode="drop")
+def mask_tokens(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """-inf wherever a row's bitmask clears the token's bit. A bitmask (not a list of banned ids) has one
+    shape for any number of ids, so no request can outgrow it. Bits past V (a wider mask) are ignored."""
+    batch, vocab_size = logits.shape
+    shifts = jnp.arange(MASK_WORD_BITS, dtype=jnp.uint32)
+    bits = (allowed[:, :, None] >> shifts) & jnp.uint32(1)          # [B, W, 32]
+    bits = bits.reshape(batch, -1)[:, :vocab_size]
+    return jnp.where(bits == 1, logits, -jnp.inf)
 
 
 def filter_logits(scaled: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -210,7 +214,8 @@ def _top_p_cutoff(scaled, keys, candidates, top_k_cut, top_p) -> jax.Array:
                                           jnp.exp(candidates - row_max), 0.0), axis=-1)
     # Mass strictly before a rank < target <=> that rank is in the nucleus; rank 0 always is.
     mass_before = jnp.pad(candidate_mass[:, :-1], ((0, 0), (1, 0)))
-    in_nucleus = jnp.sum(mass_before < target[:, None], axis=-1)
+    # At least the top token: a top_p that underflows float32 makes the target 0, which no mass is below.
+    in_nucleus = jnp.maximum(jnp.sum(mass_before < target[:, None], axis=-1), 1)
     settled = jnp.take_along_axis(candidate_keys, (in_nucleus - 1)[:, None], axis=-1)[:, 0]
     # top_p == 1 keeps the whole top-k set outright: rounding could otherwise cut its tail.
     off = top_p >= 1.0
@@ -296,7 +301,7 @@ class SamplingRow(NamedTuple):
     output_index: int         # how many output tokens the request has so far
     history: Sequence[int]    # prompt + output token ids so far
     prompt_len: int
-    banned: Sequence[int] = ()  # ids not to sample this step (EOS / stop ids before min_tokens)
+    banned: Sequence[int] = ()  # ids not to sample this step (EOS / stop ids before min_tokens), in [0, V)
 
 
 def select_mode(params: Iterable[SamplingParams]) -> str:
@@ -305,17 +310,30 @@ def select_mode(params: Iterable[SamplingParams]) -> str:
     return "greedy" if plain else "full"
 
 
-def build_sampling_metadata(rows: Sequence[SamplingRow | tuple], batch: int, width: int) -> SamplingMetadata:
+def build_sampling_metadata(rows: Sequence[SamplingRow | tuple], batch: int, width: int,
+                            vocab_size: int) -> SamplingMetadata:
     """Numpy SamplingMetadata for `rows`, padded to `batch` rows (greedy) and history width `width`."""
     if len(rows) > batch:
         raise ValueError(f"{len(rows)} rows do not fit a batch of {batch}")
-    md = _padding_metadata(batch, width)
+    md = _padding_metadata(batch, width, vocab_size)
     for i, row in enumerate(rows):
         _fill_row(md, i, SamplingRow(*row), width)
     return md
 
 
-def _padding_metadata(batch: int, width: int) -> SamplingMetadata:
+def mask_words(vocab_size: int) -> int:
+    return -(-vocab_size // MASK_WORD_BITS)
+
+
+def clear_bits(mask_row: np.ndarray, token_ids) -> None:
+    """Disallow `token_ids` in one row's bitmask (u32[ceil(V / 32)]), in place."""
+    ids = np.asarray(token_ids, np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= mask_row.size * MASK_WORD_BITS):
+        raise ValueError(f"token ids {ids.tolist()[:5]} are outside the vocabulary")
+    np.bitwise_and.at(mask_row, ids // MASK_WORD_BITS, ~(np.uint32(1) << (ids % MASK_WORD_BITS).astype(np.uint32)))
+
+
+def _padding_metadata(batch: int, width: int, vocab_size: int) -> SamplingMetadata:
     def full(value, dtype):
         return np.full((batch,), value, dtype)
 
@@ -325,7 +343,7 @@ def _padding_metadata(batch: int, width: int) -> SamplingMetadata:
         frequency_penalty=full(0.0, np.float32), repetition_penalty=full(1.0, np.float32),
         seed=full(0, np.uint32), output_index=full(0, np.int32),
         history=np.full((batch, width), HISTORY_PAD, np.int32), prompt_len=full(0, np.int32),
-        banned=np.full((batch, MAX_BANNED), HISTORY_PAD, np.int32))
+        allowed=np.full((batch, mask_words(vocab_size)), ALL_ALLOWED, np.uint32))
 
 
 def _fill_row(md: SamplingMetadata, i: int, row: SamplingRow, width: int):
@@ -345,9 +363,7 @@ def _fill_row(md: SamplingMetadata, i: int, row: SamplingRow, width: int):
     md.output_index[i] = row.output_index
     md.history[i, :len(row.history)] = row.history
     md.prompt_len[i] = row.prompt_len
-    if len(row.banned) > MAX_BANNED:
-        raise ValueError(f"{len(row.banned)} banned ids (EOS + stop_token_ids under min_tokens); at most {MAX_BANNED}")
-    md.banned[i, :len(row.banned)] = row.banned
+    clear_bits(md.allowed[i], row.banned)
 
 
 def seed_bits(seed: int) -> int:

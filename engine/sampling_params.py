@@ -12,6 +12,8 @@ MAX_LOGPROBS = 20          # the most top logprobs a request may ask for (per to
 MAX_SEED = 2**63           # seeds are in [0, MAX_SEED)
 PENALTY_LIMIT = 2.0        # presence / frequency penalties are in [-PENALTY_LIMIT, PENALTY_LIMIT]
 GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (as vLLM's _SAMPLING_EPS; avoids logits / ~0)
+INT32_MAX = 2**31 - 1      # integer fields travel to the device as int32; larger values are rejected
+MAX_STOP_TOKEN_IDS = 256   # each is checked on every sampled token
 
 
 class SamplingParamsError(ValueError):
@@ -51,6 +53,7 @@ class SamplingParams:
         self._validate_lengths()
         self._validate_logprobs()
         self._validate_stops()
+        self._validate_flags()
 
     @property
     def is_greedy(self) -> bool:
@@ -70,16 +73,16 @@ class SamplingParams:
             self.top_k = 0
 
     def _validate_sampling(self):
-        _require(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
+        _require(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer in [1, 2**31), got {self.n!r}")
         _require(_is_real(self.temperature) and self.temperature >= 0, "temperature",
                  f"temperature must be >= 0, got {self.temperature!r}")
         _require(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p",
                  f"top_p must be in (0, 1], got {self.top_p!r}")
         _require(_is_int(self.top_k) and self.top_k >= 0, "top_k",
-                 f"top_k must be -1 or 0 (disabled) or an integer >= 1, got {self.top_k!r}")
+                 f"top_k must be -1 or 0 (disabled) or an integer in [1, 2**31), got {self.top_k!r}")
         _require(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p",
                  f"min_p must be in [0, 1], got {self.min_p!r}")
-        _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed",
+        _require(self.seed is None or (_is_int(self.seed, MAX_SEED - 1) and 0 <= self.seed), "seed",
                  f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
 
     def _validate_penalties(self):
@@ -92,9 +95,9 @@ class SamplingParams:
 
     def _validate_lengths(self):
         _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
-                 f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+                 f"max_tokens must be None or an integer in [1, 2**31), got {self.max_tokens!r}")
         _require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
-                 f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+                 f"min_tokens must be an integer in [0, 2**31), got {self.min_tokens!r}")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                  f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
@@ -106,14 +109,32 @@ class SamplingParams:
 
     def _validate_stops(self):
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
-                 f"stop strings must be non-empty strings, got {self.stop!r}")
+                 f"stop strings must be non-empty strings, got {self.stop[:8]!r}")
+        _require(all(_is_utf8(s) for s in self.stop), "stop", "stop strings must be valid Unicode (no lone surrogates)")
+        _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+                 f"stop_token_ids must be integers in [0, 2**31), got {self.stop_token_ids[:8]!r}")
+
+    def _validate_flags(self):
+        _require(_is_int(self.priority), "priority", f"priority must be an int32 integer, got {self.priority!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _require(isinstance(getattr(self, name), bool), name, f"{name} must be a boolean, got {getattr(self, name)!r}")
 
 
-def _is_int(value) -> bool:
-    # bool is an Integral, but `top_k=True` is a client bug, not a 1.
-    return isinstance(value, Integral) and not isinstance(value, bool)
+def _is_int(value, maximum: int = INT32_MAX) -> bool:
+    # bool is an Integral, but `top_k=True` is a client bug, not a 1. Values past int32 would overflow
+    # on their way to the device (inside a step, where they would fail everyone's requests).
+    return isinstance(value, Integral) and not isinstance(value, bool) and -maximum - 1 <= value <= maximum
+
+
+def _is_utf8(text: str) -> bool:
+    """False for strings no tokenizer can encode: lone surrogates ("\ud800") that JSON can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_real(value) -> bool:

@@ -164,7 +164,7 @@ class Scheduler:
         self.block_pool.incref(child.block_ids)
         child.num_computed_tokens = shared * self.config.block_size
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str, reason: str = "abort") -> Request | None:
         """Drop a request in any state, freeing its device and host blocks now. None if unknown or already
         finished (a finished request leaves through the next step's reap). The request keeps its (now freed)
         block_ids / host_block_ids: a plan already handed out may still run it harmlessly (nothing reuses
@@ -181,7 +181,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
             self.block_pool.free(request.block_ids)  # a forked request waits holding shared blocks
-        request.finish("abort")
+        request.finish(reason)
         del self.requests[request_id]
         return request
 

@@ -3,15 +3,21 @@
     python -m engine.serve --model=DIR [--host=127.0.0.1 --port=8000 --api_key=KEY --max_waiting=256]
 
 Every EngineConfig field is a flag (engine/cli_flags.py; EngineConfig.seed is --engine_seed). Server flags:
---host, --port, --served_model_name, --api_key (default $FERRY_API_KEY), --max_waiting, --warmup and
---log_interval_s. Once listening it prints the URL and a curl line to try. Bad flags or values exit with
-status 2.
+--host, --port, --served_model_name, --api_key (default $FERRY_API_KEY), --max_waiting, --warmup,
+--log_interval_s, the request limits (--max_request_bytes, --max_prompt_chars, --max_stop_strings,
+--max_stop_chars) and --shutdown_timeout. Once listening it prints the URL and a curl line to try.
+
+Exit status: 0 after a graceful shutdown (SIGTERM or Ctrl-C: stop accepting, let running requests finish
+for up to --shutdown_timeout seconds, end the rest with an error; a second signal stops at once), 1 if the
+engine died (so a supervisor restarts it), 2 for bad flags or values.
 """
 
+import asyncio
 import json
 import logging
 import os
 import shlex
+import sys
 
 import uvicorn
 from absl import app, flags
@@ -34,6 +40,16 @@ flags.DEFINE_integer("max_waiting", None, "most requests admitted but not yet ge
                      "Retry-After; unset: unbounded", lower_bound=1)
 flags.DEFINE_boolean("warmup", True, "compile every step shape before serving, so no request waits on a compile")
 flags.DEFINE_float("log_interval_s", 5.0, "seconds between throughput log lines", lower_bound=0.1)
+_DEFAULTS = ServerConfig(served_model_name="")  # slots: defaults live on instances, not the class
+flags.DEFINE_integer("max_request_bytes", _DEFAULTS.max_request_bytes, "larger request bodies get a 413",
+                     lower_bound=1)
+flags.DEFINE_integer("max_prompt_chars", None, "longer prompts (or chat messages) get a 400 before tokenizing; "
+                     "unset: 64 x max_model_len", lower_bound=1)
+flags.DEFINE_integer("max_stop_strings", _DEFAULTS.max_stop_strings, "most stop strings per request",
+                     lower_bound=0)
+flags.DEFINE_integer("max_stop_chars", _DEFAULTS.max_stop_chars, "longest stop string", lower_bound=1)
+flags.DEFINE_float("shutdown_timeout", _DEFAULTS.shutdown_timeout_s, "on SIGTERM/SIGINT, seconds running "
+                   "requests may go on finishing before they are ended with an error", lower_bound=0)
 
 log = logging.getLogger("ferry.serve")
 
@@ -43,7 +59,9 @@ def server_config_from_flags(model_dir: str) -> ServerConfig:
     # The environment variable is read here, not as the flag's default, so --help never prints the key.
     api_key = FLAGS.api_key or os.environ.get("FERRY_API_KEY") or None
     return ServerConfig(served_model_name=name, api_key=api_key, max_waiting=FLAGS.max_waiting,
-                        log_interval_s=FLAGS.log_interval_s)
+                        log_interval_s=FLAGS.log_interval_s, max_request_bytes=FLAGS.max_request_bytes,
+                        max_prompt_chars=FLAGS.max_prompt_chars, max_stop_strings=FLAGS.max_stop_strings,
+                        max_stop_chars=FLAGS.max_stop_chars, shutdown_timeout_s=FLAGS.shutdown_timeout)
 
 
 def banner(config: ServerConfig, host: str, port: int) -> str:
@@ -58,17 +76,40 @@ def banner(config: ServerConfig, host: str, port: int) -> str:
             f"-d {shlex.quote(json.dumps(body))}")
 
 
-class _AnnouncingServer(uvicorn.Server):
-    """Prints the banner once the socket is listening, not before."""
+class FerryServer(uvicorn.Server):
+    """uvicorn with Ferry's lifecycle: prints the banner once the socket is listening; the first SIGTERM or
+    SIGINT drains (OpenAIServer.drain) before uvicorn shuts down, a second one stops at once; an engine that
+    died makes it exit with status 1."""
 
     def __init__(self, config: uvicorn.Config, message: str):
         super().__init__(config)
         self._message = message
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+        self.engine_died = False
 
     async def startup(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started:
             print(self._message, flush=True)
+
+    def handle_exit(self, sig, frame):
+        if self._draining or self._loop is None:  # a second signal, or before start-up: uvicorn's own way
+            return super().handle_exit(sig, frame)
+        self._draining = True  # not recorded as captured: uvicorn would re-raise it at exit (status 143)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain_then_exit()))
+
+    async def _drain_then_exit(self):
+        try:
+            await self.config.app.state.server.drain()
+        finally:
+            self.should_exit = True
+
+    def on_engine_death(self, _error: BaseException) -> None:
+        """Called on the engine thread: the readers have their errors; stop serving and exit non-zero."""
+        self.engine_died = True
+        self.should_exit = True
 
 
 def run(argv: list[str]):
@@ -87,12 +128,17 @@ def run(argv: list[str]):
         log.info("warm-up: compiling every step shape (--nowarmup skips it)")
         engine.warmup(sampling=True)
     config = server_config_from_flags(model_dir)
-    uvicorn_config = uvicorn.Config(build_app(engine, config), host=FLAGS.host, port=FLAGS.port, log_level="info",
+    uvicorn_config = uvicorn.Config(None, host=FLAGS.host, port=FLAGS.port, log_level="info",
                                     timeout_graceful_shutdown=5)
+    server = FerryServer(uvicorn_config, banner(config, FLAGS.host, FLAGS.port))
+    uvicorn_config.app = build_app(engine, config, on_fatal=server.on_engine_death)
     try:
-        _AnnouncingServer(uvicorn_config, banner(config, FLAGS.host, FLAGS.port)).run()
-    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C: exit quietly
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C stopped it at once: exit quietly
         pass
+    if server.engine_died:
+        log.error("the engine died; exiting with status 1 so a supervisor can restart the server")
+        sys.exit(1)
 
 
 def main(argv: list[str] | None = None):

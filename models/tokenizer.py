@@ -129,7 +129,9 @@ class HFTokenizer(Tokenizer):
     backend: Any  # tokenizers.Tokenizer
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only it releases the GIL, so a long prompt tokenized on a worker thread
+        # does not freeze the server's event loop (same ids either way).
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -127,7 +127,7 @@ def check_greedy_match(ours: list[int], ref: list[int], ref_logits: np.ndarray, 
     return None
 
 
-def make_text_model(tmp_path_factory, seed: int, chat_template: str | None = None):
+def make_text_model(tmp_path_factory, seed: int, chat_template: str | None = None, **overrides):
     """(model dir, torch model): a random llama whose vocabulary is the byte-level BPE test tokenizer's
     (tests/tokenizer_fixtures.py), with the tokenizer files beside the weights as in a real checkpoint."""
     from tokenizer_fixtures import write_byte_level_bpe_dir  # noqa: PLC0415 (only the text tests need it)
@@ -137,7 +137,7 @@ def make_text_model(tmp_path_factory, seed: int, chat_template: str | None = Non
     vocab = load_tokenizer(str(tok_dir)).vocab_size
     out = tmp_path_factory.mktemp("model")
     torch_model = make_hf_model("llama3", out, seed=seed, vocab_size=vocab, bos_token_id=0, eos_token_id=2,
-                                pad_token_id=1)
+                                pad_token_id=1, **overrides)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / name, out / name)
     return str(out), torch_model

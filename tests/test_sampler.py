@@ -81,14 +81,15 @@ def test_sampling_params_boundaries_and_normalisation():
 
 
 def metadata(params: list[SamplingParams], *, seeds=None, output_index=None, histories=None,
-             prompt_lens=None, batch=None, width=4) -> SamplingMetadata:
+             prompt_lens=None, batch=None, width=4, vocab_size=1 << 18) -> SamplingMetadata:
+    # The default bitmask covers every vocabulary these tests use; the sampler ignores bits past V.
     n = len(params)
     seeds = [0] * n if seeds is None else seeds
     output_index = [0] * n if output_index is None else output_index
     histories = [[]] * n if histories is None else histories
     prompt_lens = [len(h) for h in histories] if prompt_lens is None else prompt_lens
     rows = list(zip(params, seeds, output_index, histories, prompt_lens))
-    return build_sampling_metadata(rows, batch or n, width)
+    return build_sampling_metadata(rows, batch or n, width, vocab_size)
 
 
 def draws(logits_row: np.ndarray, params: SamplingParams, seed: int = 1234) -> np.ndarray:

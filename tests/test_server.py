@@ -6,88 +6,28 @@ file shares the jitted step functions that the first requests compile.
 """
 
 import asyncio
-import contextlib
-import dataclasses
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from fastapi import FastAPI
-from prometheus_client.parser import text_string_to_metric_families
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.server import ServerConfig, build_app
+from engine.server import ServerConfig
 from hf_models import make_text_model
-
-API_KEY = "sk-test-key"
-MODEL_NAME = "tiny-llama"
-MAX_MODEL_LEN = 64
-# 6 usable blocks of 16 tokens against 4 running sequences of up to 4 blocks each: preemption under load.
-ENGINE = dict(block_size=16, num_blocks=7, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN)
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-                 "{{ m['content'] }}<|eot_id|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-WORDS = "the quick brown fox hello world ferry jax tokenizer café über naïve emoji of a".split()
-NO_EOS = {"ignore_eos": True}  # vLLM's extra field: lengths (and so token counts) are exact
+from server_harness import (API_KEY, CHAT_TEMPLATE, ENGINE, MAX_MODEL_LEN, MODEL_NAME, NO_EOS, WORDS, RunningServer,
+                            delta, metrics, post, prompt_len, serve)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     """A random llama whose vocabulary is a byte-level BPE tokenizer's (with a chat template) beside it."""
     return make_text_model(tmp_path_factory, seed=0, chat_template=CHAT_TEMPLATE)[0]
-
-
-@dataclasses.dataclass(slots=True)
-class RunningServer:
-    url: str                  # http://127.0.0.1:<port>
-    engine: LLMEngine
-    app: FastAPI
-
-    @property
-    def state(self):
-        return self.app.state.server
-
-    def settle(self, timeout_s: float = 20.0) -> None:
-        """Wait until the engine thread has nothing left: no requests, no blocks, no held admission slots."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if (not self.engine.has_unfinished() and self.engine.scheduler.block_pool.num_used == 0
-                    and self.state.admission.num_waiting == 0):
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"did not settle: {self.engine.scheduler.stats()}, "
-                             f"{self.state.admission.num_waiting} admission slots held")
-
-
-@contextlib.contextmanager
-def serve(model_dir: str, config: ServerConfig):
-    """An engine behind a uvicorn server on a free loopback port, in a background thread."""
-    engine = LLMEngine(model_dir, EngineConfig(**ENGINE))
-    app = build_app(engine, config)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield RunningServer(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, app)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -101,34 +41,6 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
 
 
-def _post(server: RunningServer, path: str, body: dict | str) -> httpx.Response:
-    """POST a JSON body (a str is sent as it is: malformed JSON on purpose)."""
-    content = body if isinstance(body, str) else json.dumps(body)
-    return httpx.post(server.url + path, content=content, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
-
-
-def _metrics(server: RunningServer) -> dict[str, float]:
-    """Every sample of /metrics by name and labels (model_name dropped), parsed by prometheus-client."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if "le" in s.labels:
-                continue  # histogram buckets: _count and _sum say enough here
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return samples
-
-
-def _delta(before: dict, after: dict, name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
-
-
-def _prompt_len(server: RunningServer, **body) -> int:
-    return _post(server, "/tokenize", body).json()["count"]
-
-
 # ---------------------------------------------------------------------- the openai client
 
 
@@ -137,7 +49,7 @@ def test_completions_with_the_openai_client(server, client):
                                        extra_body=NO_EOS)
     (choice,) = greedy.choices
     assert choice.finish_reason == "length" and choice.text
-    assert greedy.usage.prompt_tokens == _prompt_len(server, prompt="hello world")
+    assert greedy.usage.prompt_tokens == prompt_len(server, prompt="hello world")
     assert greedy.usage.completion_tokens == 12
     assert greedy.usage.total_tokens == greedy.usage.prompt_tokens + 12
 
@@ -180,14 +92,14 @@ def test_completions_n_logprobs_batches_and_token_prompts(server, client):
     assert streamed == [c.text for c in two.choices]
 
     # A batch of prompts (strings and token ids): choice i*n + j is sample j of prompt i.
-    ids = _post(server, "/tokenize", {"prompt": "hello world"}).json()["tokens"]
+    ids = post(server, "/tokenize", {"prompt": "hello world"}).json()["tokens"]
     batch = client.completions.create(model=MODEL_NAME, prompt=["hello world", "of a"], max_tokens=6,
                                       temperature=0, extra_body=NO_EOS)
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0,
                                        extra_body=NO_EOS)
     assert [c.index for c in batch.choices] == [0, 1]
     assert batch.choices[0].text == by_ids.choices[0].text
-    assert batch.usage.prompt_tokens == len(ids) + _prompt_len(server, prompt="of a")
+    assert batch.usage.prompt_tokens == len(ids) + prompt_len(server, prompt="of a")
     assert batch.usage.completion_tokens == 12
 
 
@@ -210,7 +122,7 @@ def test_chat_with_the_openai_client(server, client):
     whole = client.chat.completions.create(**seeded)
     (choice,) = whole.choices
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
-    assert whole.usage.prompt_tokens == _prompt_len(server, messages=messages)
+    assert whole.usage.prompt_tokens == prompt_len(server, messages=messages)
     assert whole.usage.completion_tokens == 10
     chunks = list(client.chat.completions.create(**seeded, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -230,10 +142,10 @@ def test_chat_with_the_openai_client(server, client):
 
 def test_models_tokenize_detokenize(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
-    tokens = _post(server, "/tokenize", {"prompt": "café über", "return_token_strs": True}).json()
+    tokens = post(server, "/tokenize", {"prompt": "café über", "return_token_strs": True}).json()
     assert tokens["count"] == len(tokens["tokens"]) == len(tokens["token_strs"])
     assert tokens["max_model_len"] == MAX_MODEL_LEN
-    text = _post(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"]
+    text = post(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"]
     assert text == "café über"  # the BOS is special: skipped
 
 
@@ -276,19 +188,19 @@ def test_bad_input_is_a_400_naming_the_field_and_changes_nothing(server):
         ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
     ]
     for path, body, status, param in cases:
-        response = _post(server, path, body)
+        response = post(server, path, body)
         assert response.status_code == status, (body, response.text)
         error = response.json()["error"]
         assert error["param"] == param and error["message"], (body, error)
         assert error["type"] == "invalid_request_error", (body, error)
-    assert _post(server, "/v1/no_such_route", {}).status_code == 404
+    assert post(server, "/v1/no_such_route", {}).status_code == 404
     server.settle()
-    ok = _post(server, "/v1/completions", {**completion, **NO_EOS})
+    ok = post(server, "/v1/completions", {**completion, **NO_EOS})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     server.settle()
 
 
-def test_api_key_is_required_except_for_health_and_metrics(server):
+def test_api_key_is_required_except_for_health_andmetrics(server):
     body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         response = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=10)
@@ -337,22 +249,22 @@ def test_a_failing_engine_fails_requests_instead_of_hanging_them(model_dir):
 
 
 def test_metrics_move_with_the_traffic(server, client):
-    before = _metrics(server)
+    before = metrics(server)
     completion = client.completions.create(model=MODEL_NAME, prompt="of a", max_tokens=6, n=2, temperature=0.5,
                                            extra_body=NO_EOS)
     chat = list(client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=5, stream=True, stream_options={"include_usage": True},
                                                extra_body=NO_EOS))[-1]
     server.settle()
-    after = _metrics(server)
+    after = metrics(server)
     usages = [completion.usage, chat.usage]
-    assert _delta(before, after, "ferry:generation_tokens_total") == sum(u.completion_tokens for u in usages) == 17
-    assert _delta(before, after, "ferry:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
-    assert _delta(before, after, "ferry:request_success_total{finished_reason=length}") == 3  # choices
+    assert delta(before, after, "ferry:generation_tokens_total") == sum(u.completion_tokens for u in usages) == 17
+    assert delta(before, after, "ferry:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta(before, after, "ferry:request_success_total{finished_reason=length}") == 3  # choices
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
-        assert _delta(before, after, f"ferry:{histogram}_count") == 2, histogram
+        assert delta(before, after, f"ferry:{histogram}_count") == 2, histogram
     # One per delta after a request's first: at least max_tokens - 1 (n=2's forked sample may lag by a step).
-    assert _delta(before, after, "ferry:inter_token_latency_seconds_count") >= 5 + 4
+    assert delta(before, after, "ferry:inter_token_latency_seconds_count") >= 5 + 4
     for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc"):
         assert after[f"ferry:{gauge}"] == 0, gauge
 
@@ -377,14 +289,14 @@ def _hang_up_once_running(server: RunningServer, body: dict, wait_for_data: bool
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_hanging_up_aborts_its_request(server, stream):
-    before = _metrics(server)
+    before = metrics(server)
     body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 60, "stream": stream, **NO_EOS}
     _hang_up_once_running(server, body, wait_for_data=stream)
     server.settle()  # the abort freed its blocks and its admission slot
-    after = _metrics(server)
-    assert _delta(before, after, "ferry:request_success_total{finished_reason=abort}") == 1
-    assert _delta(before, after, "ferry:request_success_total{finished_reason=length}") == 0
-    assert _delta(before, after, "ferry:generation_tokens_total") < 60
+    after = metrics(server)
+    assert delta(before, after, "ferry:request_success_total{finished_reason=abort}") == 1
+    assert delta(before, after, "ferry:request_success_total{finished_reason=length}") == 0
+    assert delta(before, after, "ferry:generation_tokens_total") < 60
 
 
 def _load_requests() -> list[dict]:
@@ -400,7 +312,7 @@ def test_64_concurrent_streams_with_preemption_and_disconnects(server, client):
     requests = _load_requests()
     alone = [client.completions.create(model=MODEL_NAME, **r, extra_body=NO_EOS).choices[0].text for r in requests]
     server.settle()
-    before = _metrics(server)
+    before = metrics(server)
 
     async def stream(api, i):
         hangs_up = i % 4 == 3
@@ -447,11 +359,11 @@ def test_64_concurrent_streams_with_preemption_and_disconnects(server, client):
     assert max(seconds for _, seconds in polls) < 5.0
 
     server.settle()
-    after = _metrics(server)
-    preemptions = sum(_delta(before, after, f"ferry:num_preemptions_total{{mode={m}}}") for m in ("swap", "recompute"))
+    after = metrics(server)
+    preemptions = sum(delta(before, after, f"ferry:num_preemptions_total{{mode={m}}}") for m in ("swap", "recompute"))
     assert preemptions > 0
-    assert _delta(before, after, "ferry:request_success_total{finished_reason=abort}") == 16
-    assert _delta(before, after, "ferry:request_success_total{finished_reason=length}") == 48
+    assert delta(before, after, "ferry:request_success_total{finished_reason=abort}") == 16
+    assert delta(before, after, "ferry:request_success_total{finished_reason=length}") == 48
     assert after["ferry:kv_cache_usage_perc"] == 0 and after["ferry:num_requests_running"] == 0
     scheduler = server.engine.scheduler
     assert scheduler.block_pool.num_used == 0 and scheduler.host_pool.num_used == 0
