@@ -8,7 +8,7 @@ import pytest
 
 from engine.packing import SeqSlice, StepLayout, pack
 from engine.step import model_step
-from hf_models import paged_greedy, rel_err
+from paged_driver import paged_greedy, rel_err
 from models.config import ModelConfig
 from models.loading import random_model
 from models.paged import init_kv_cache
