@@ -27,7 +27,8 @@ VENV_JAX011 ?= .venv-jax011
 JAX011 = jax==0.11.2 jaxlib==0.11.2
 # Test files needing no torch; modules that import tests/hf_models.py skip themselves (by reason).
 JAX011_TESTS ?= tests/test_kernels.py tests/test_native_kernel.py tests/test_cuda_lowering.py \
-	tests/test_paged_forward.py tests/test_models.py tests/test_gpu_check_smoke.py
+	tests/test_tpu_kernel.py tests/test_paged_forward.py tests/test_models.py \
+	tests/test_gpu_check_smoke.py
 
 $(VENV_JAX011)/bin/python:
 	$(PYTHON312) -m venv $(VENV_JAX011)

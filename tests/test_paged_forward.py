@@ -51,7 +51,7 @@ def test_padding_tokens_change_nothing_outside_the_null_block():
                     assert same != ((block, slot) in written), (block, slot)
 
 
-@pytest.mark.parametrize("impl", ["pallas_interpret", "native"])
+@pytest.mark.parametrize("impl", ["pallas_interpret", "native", "pallas_tpu_interpret"])
 def test_model_forward_with_kernels_matches_reference_path(impl):
     """The whole model (batched prefill of three prompts, then decode) through a kernel gives the
     reference path's logits."""
