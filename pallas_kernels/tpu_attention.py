@@ -48,6 +48,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.triton_common import MASK_VALUE, normalise, paged_cache_dims
 
 LANES = 128  # a TPU vreg is 8 sublanes x 128 lanes
+NUM_BUFFERS = 2  # K/V VMEM buffers: block b is read from b % 2 while b + 1 streams into the other
 
 
 def sublane_multiple(dtype) -> int:
@@ -103,9 +104,9 @@ def _ragged_kernel(
     # output
     o_ref,            # [Hkv, group, block_q, Dp]
     # scratch
-    k_buf,            # [2, pages_per_block, bs, Hkv, Dp] VMEM, double-buffered
-    v_buf,            # [2, pages_per_block, bs, Hkv, Dp]
-    sems,             # DMA semaphores [2 (K, V), 2 (buffer)]
+    k_buf,            # [NUM_BUFFERS, pages_per_block, bs, Hkv, Dp] VMEM
+    v_buf,            # [NUM_BUFFERS, pages_per_block, bs, Hkv, Dp]
+    sems,             # DMA semaphores [2 (K, V), NUM_BUFFERS]
     m_ref,            # [Hkv, rows, LANES] f32 running max (replicated over lanes)
     l_ref,            # [Hkv, rows, LANES] f32 running sum
     acc_ref,          # [Hkv, rows, Dp] f32 unnormalised output
@@ -188,11 +189,11 @@ def _ragged_kernel(
             _start(copies(0, 0))
 
         def kv_step(kv_block, _):
-            slot = kv_block % 2
+            slot = kv_block % NUM_BUFFERS
 
             @pl.when(kv_block + 1 < num_kv_blocks)
             def _():  # the next block streams in while this one is used
-                _start(copies(kv_block + 1, 1 - slot))
+                _start(copies(kv_block + 1, (kv_block + 1) % NUM_BUFFERS))
 
             _wait(copies(kv_block, slot))
             attend_block((q_start, q_end, pos_offset, kv_len), kv_block, slot)
@@ -294,9 +295,9 @@ def ragged_paged_attention_tpu(
 
     rows = group * block_q
     scratch = [
-        pltpu.VMEM((2, pages_per_block, block_size, num_kv_heads, dp), k_pages.dtype),
-        pltpu.VMEM((2, pages_per_block, block_size, num_kv_heads, dp), v_pages.dtype),
-        pltpu.SemaphoreType.DMA((2, 2)),
+        pltpu.VMEM((NUM_BUFFERS, pages_per_block, block_size, num_kv_heads, dp), k_pages.dtype),
+        pltpu.VMEM((NUM_BUFFERS, pages_per_block, block_size, num_kv_heads, dp), v_pages.dtype),
+        pltpu.SemaphoreType.DMA((2, NUM_BUFFERS)),
         pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),
         pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),
         pltpu.VMEM((num_kv_heads, rows, dp), jnp.float32),

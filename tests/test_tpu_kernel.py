@@ -4,7 +4,8 @@ both ways:
   * run in the TPU interpreter (pltpu.InterpretParams: DMAs and semaphores simulated, VMEM scratch
     starts as NaN, out-of-bounds reads raise) against the plain-jnp references, on random shapes
     with shuffled block tables and NaN in every cache slot no sequence owns (tests/attention_cases.py);
-    some cases with the interpreter's race detector on, which must find no race;
+    some cases with the interpreter's race detector on, which must find no race, and a
+    single-buffered variant that must be caught;
   * lowered for TPU from this CPU host (jax.export, platforms=["tpu"], under an abstract TPU v6e
     device: pallas_kernels/lowering.py) at the attention shapes of real models: the module must
     carry the Mosaic `tpu_custom_call`. What this does not prove: Mosaic's own compilation of that
@@ -32,6 +33,7 @@ from attention_cases import (  # noqa: F401  (seed is a fixture)
     prefill_batch,
     seed,
 )
+from pallas_kernels import tpu_attention
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.lowering import TPU_CALL_TARGET, export_for
 from pallas_kernels.reference import paged_decode_attention_ref
@@ -133,6 +135,22 @@ def test_through_dispatch(seed):
     out = paged_attention(q, k, v, tables, lens, None, decode=True, scale=0.125,
                           impl="pallas_tpu_interpret")
     check_close(out, ref, jnp.float32, seed, "tpu decode dispatch")
+
+
+def test_single_buffering_is_caught(seed, monkeypatch):
+    """With one K/V buffer the next block's copy lands in the buffer being read (and the two
+    blocks' copies share one semaphore): the comparison must catch it, so the double-buffered
+    path the other tests pass is really exercised. (The interpreter's race detector tracks
+    races between cores; with one core it does not flag this, hence the value check.)"""
+    rng = np.random.default_rng(seed)
+    q, k, v, tables, lens = decode_inputs(rng, [9, 20, 31], num_q_heads=2, num_kv_heads=1,
+                                          head_dim=48, block_size=8, dtype=jnp.float32)
+    ref = paged_decode_attention_ref(q, k, v, tables, lens, scale=0.1)
+    monkeypatch.setattr(tpu_attention, "NUM_BUFFERS", 1)
+    # head_dim 48 is used nowhere else, so this trace is fresh and sees one buffer.
+    out = np.asarray(ragged_paged_attention_tpu(q, k, v, tables, lens, decode=True, scale=0.1,
+                                                pages_per_block=1, interpret=True))
+    assert not np.allclose(out, np.asarray(ref), atol=1e-3, equal_nan=False), f"seed={seed}"
 
 
 def test_bad_block_q_names_the_field():
