@@ -26,9 +26,9 @@ PYTHON312 ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions
 VENV_JAX011 ?= .venv-jax011
 JAX011 = jax==0.11.2 jaxlib==0.11.2
 # Test files needing no torch; modules that import tests/hf_models.py skip themselves (by reason).
+# The device-check smoke tests (scripts, same kernels) run in `make test` only, for CI time.
 JAX011_TESTS ?= tests/test_kernels.py tests/test_native_kernel.py tests/test_cuda_lowering.py \
-	tests/test_tpu_kernel.py tests/test_paged_forward.py tests/test_models.py \
-	tests/test_gpu_check_smoke.py
+	tests/test_tpu_kernel.py tests/test_paged_forward.py tests/test_models.py
 
 $(VENV_JAX011)/bin/python:
 	$(PYTHON312) -m venv $(VENV_JAX011)
@@ -47,4 +47,4 @@ test: $(VENV)/.installed-test
 
 test-jax011: $(VENV_JAX011)/.installed
 	$(VENV_JAX011)/bin/python -c "import jax, sys; assert jax.__version__ == '0.11.2', jax.__version__; print('jax', jax.__version__, 'python', sys.version.split()[0])"
-	$(VENV_JAX011)/bin/python -m pytest -q $(JAX011_TESTS)
+	$(VENV_JAX011)/bin/python -m pytest -q --durations=10 $(JAX011_TESTS)
