@@ -1,5 +1,7 @@
 # The two set-up commands of the README: `make serve` (the OpenAI-compatible server on the embedded
 # model) and `make test` (the test suite). Each creates the virtual environment it needs first.
+# `make test-jax011` runs the kernel, lowering and model tests in a second, torch-free environment:
+# Python 3.12 (pyenv's) with jax 0.11.2, the release on the GPU machine.
 PYTHON ?= python3
 VENV ?= .venv
 HOST ?= 127.0.0.1
@@ -19,9 +21,30 @@ $(VENV)/.installed-test: pyproject.toml setup.py | $(VENV)/bin/python
 	$(VENV)/bin/python -m pip install -q -e ".[test]"
 	touch $@ $(VENV)/.installed-serve
 
-.PHONY: serve test
+# ---- the jax 0.11 environment (no torch: no CPU wheel of the pinned torch for it here)
+PYTHON312 ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12)),python3.12)
+VENV_JAX011 ?= .venv-jax011
+JAX011 = jax==0.11.2 jaxlib==0.11.2
+# Test files needing no torch; modules that import tests/hf_models.py skip themselves (by reason).
+# The device-check smoke tests (scripts, same kernels) run in `make test` only, for CI time.
+JAX011_TESTS ?= tests/test_kernels.py tests/test_native_kernel.py tests/test_cuda_lowering.py \
+	tests/test_tpu_kernel.py tests/test_paged_forward.py tests/test_models.py
+
+$(VENV_JAX011)/bin/python:
+	$(PYTHON312) -m venv $(VENV_JAX011)
+	$(VENV_JAX011)/bin/python -m pip install -q --upgrade pip
+
+$(VENV_JAX011)/.installed: pyproject.toml setup.py | $(VENV_JAX011)/bin/python
+	$(VENV_JAX011)/bin/python -m pip install -q -e ".[test-core]" $(JAX011)
+	touch $@
+
+.PHONY: serve test test-jax011
 serve: $(VENV)/.installed-serve
 	$(VENV)/bin/python -m engine.serve --model=$(MODEL) --host=$(HOST) --port=$(PORT) $(SERVE_FLAGS)
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/python -m pytest -q tests
+
+test-jax011: $(VENV_JAX011)/.installed
+	$(VENV_JAX011)/bin/python -c "import jax, sys; assert jax.__version__ == '0.11.2', jax.__version__; print('jax', jax.__version__, 'python', sys.version.split()[0])"
+	$(VENV_JAX011)/bin/python -m pytest -q --durations=10 $(JAX011_TESTS)

@@ -1,18 +1,19 @@
 """One entry point for paged attention; picks the implementation by backend.
 
   gpu -> Pallas kernels lowered through Triton (paged_attention.py / prefill_attention.py)
-  tpu -> the plain-jnp reference for now (see below), also when "pallas" is asked for
+  tpu -> the Mosaic TPU ragged paged-attention kernel (tpu_attention.py), also when "pallas" is
+         asked for on a TPU
   cpu -> the native C++ kernel (an XLA FFI custom call, native.py) where it is built and takes
          the dtype, else the plain-jnp reference
 
-`impl` forces one: "reference", "native", "pallas", or "pallas_interpret" (Pallas in interpret
-mode, which runs anywhere and is how the CPU tests exercise the kernels).
+`impl` forces one: "reference", "native", "pallas" (Triton), "pallas_interpret" (the Triton
+kernels in Pallas interpret mode), "pallas_tpu" (Mosaic, TPU only) or "pallas_tpu_interpret"
+(the TPU kernel in the TPU interpreter). The interpret modes run anywhere: they are how the CPU
+tests exercise the kernels.
 
-The kernels are written for Triton: K/V pages are read with masked pointer gathers (page id ->
-token, head, feature), which is what lets any block table, head_dim 80/96 and garbage in unused
-slots work without copying the cache. Mosaic TPU has no masked gather loads, so on TPU "pallas"
-runs the reference; a TPU kernel would DMA whole pages through scalar-prefetched block tables
-(the jax.experimental.pallas.ops.tpu.paged_attention design) and is not written yet.
+The two kernel families differ because the hardware does: the Triton kernels read K/V with
+masked pointer gathers (page id -> token, head, feature); Mosaic TPU has no vector gathers, so
+the TPU kernel DMAs whole pages through scalar-prefetched block tables into VMEM.
 """
 
 import jax
@@ -20,12 +21,15 @@ import jax
 from pallas_kernels import native, reference
 from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.prefill_attention import paged_prefill_attention
+from pallas_kernels.tpu_attention import ragged_paged_attention_tpu
 
-IMPLS = ("reference", "native", "pallas", "pallas_interpret")
+IMPLS = ("reference", "native", "pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret")
 
 
 def default_impl(backend: str | None = None, dtype=None) -> str:
     backend = backend or jax.default_backend()
+    if backend == "tpu":
+        return "pallas_tpu"
     if backend != "cpu":
         return "pallas"
     if native.available() and (dtype is None or native.supports(dtype, dtype)):
@@ -42,7 +46,7 @@ def paged_attention(
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
     if impl == "pallas" and jax.default_backend() == "tpu":
-        impl = "reference"  # no TPU kernel yet (module docstring)
+        impl = "pallas_tpu"  # Triton does not run on a TPU
     if impl == "reference":
         if decode:
             return reference.paged_decode_attention_ref(
@@ -50,6 +54,11 @@ def paged_attention(
         return reference.paged_prefill_attention_ref(
             q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
             scale=scale, soft_cap=soft_cap)
+    if impl in ("pallas_tpu", "pallas_tpu_interpret"):
+        return ragged_paged_attention_tpu(
+            q, k_pages, v_pages, block_tables, context_lens, None if decode else query_start_loc,
+            decode=decode, scale=scale, soft_cap=soft_cap,
+            interpret=impl == "pallas_tpu_interpret")
     if impl == "native":
         fn = native.paged_decode_attention_native if decode else native.paged_prefill_attention_native
         args = (block_tables, context_lens) if decode else (block_tables, context_lens, query_start_loc)

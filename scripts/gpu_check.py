@@ -138,15 +138,26 @@ def copy_bandwidth(gib, trials, inner):
 # ----------------------------------------------------------------------------- cases
 
 
-def decode_case(name, rng, key, args, batch, context_lens, interpret, num_splits=None):
+def triton_decode(interpret, num_splits=None):
+    """make_kernel(scale, soft_cap) for the Pallas-Triton decode kernel."""
+    return lambda scale, soft_cap: lambda *a: paged_decode_attention(
+        *a, scale=scale, soft_cap=soft_cap, num_splits=num_splits, interpret=interpret)
+
+
+def triton_prefill(interpret):
+    return lambda scale, soft_cap: lambda *a: paged_prefill_attention(
+        *a, scale=scale, soft_cap=soft_cap, interpret=interpret)
+
+
+def decode_case(name, rng, key, args, batch, context_lens, make_kernel):
+    """make_kernel(scale, soft_cap) -> f(q, k, v, tables, lens), checked and timed."""
     dtype = jnp.dtype(args.dtype)
     k, v, tables = make_cache(rng, key, context_lens, block_size=args.block_size,
                               num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=dtype)
     q = jax.random.normal(jax.random.fold_in(key, 1), (batch, args.q_heads, args.head_dim), dtype)
     lens = jnp.asarray(context_lens, jnp.int32)
     scale = args.head_dim ** -0.5
-    kernel = jax.jit(lambda *a: paged_decode_attention(
-        *a, scale=scale, soft_cap=args.soft_cap, num_splits=num_splits, interpret=interpret))
+    kernel = jax.jit(make_kernel(scale, args.soft_cap))
     ref = jax.jit(lambda *a: paged_decode_attention_ref(*a, scale=scale, soft_cap=args.soft_cap))
     operands = (q, k, v, tables, lens)
     itemsize = dtype.itemsize
@@ -158,7 +169,8 @@ def decode_case(name, rng, key, args, batch, context_lens, interpret, num_splits
     return run_case(name, shape, kernel, ref, operands, bytes_read, flops, args)
 
 
-def prefill_case(name, rng, key, args, prefixes, chunks, interpret):
+def prefill_case(name, rng, key, args, prefixes, chunks, make_kernel):
+    """make_kernel(scale, soft_cap) -> f(q, k, v, tables, lens, qsl), checked and timed."""
     dtype = jnp.dtype(args.dtype)
     context_lens = [int(p + c) for p, c in zip(prefixes, chunks)]
     k, v, tables = make_cache(rng, key, context_lens, block_size=args.block_size,
@@ -169,8 +181,7 @@ def prefill_case(name, rng, key, args, prefixes, chunks, interpret):
     lens = jnp.asarray(context_lens, jnp.int32)
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(chunks)]), jnp.int32)
     scale = args.head_dim ** -0.5
-    kernel = jax.jit(lambda *a: paged_prefill_attention(
-        *a, scale=scale, soft_cap=args.soft_cap, interpret=interpret))
+    kernel = jax.jit(make_kernel(scale, args.soft_cap))
     ref = jax.jit(lambda *a: paged_prefill_attention_ref(*a, scale=scale, soft_cap=args.soft_cap))
     operands = (q, k, v, tables, lens, qsl)
     kv_bytes = 2 * int(np.sum(context_lens)) * args.kv_heads * args.head_dim * dtype.itemsize
@@ -224,30 +235,42 @@ def main(argv=None):
     key = jax.random.key(seed)
     t_start = time.perf_counter()
 
+    rows, copy_gbs, copy_s = run_cases(args, rng, key, decode_kernel=triton_decode(interpret),
+                                       split_kernel=triton_decode(interpret, 2 if interpret else None),
+                                       prefill_kernel=triton_prefill(interpret))
+    return report(args, rows, copy_gbs, copy_s, device, seed, interpret, t_start)
+
+
+def run_cases(args, rng, key, *, decode_kernel, split_kernel, prefill_kernel):
+    """The cases (module docstring), each kernel given as make_kernel(scale, soft_cap); returns
+    (result rows, copy GB/s, copy seconds)."""
     copy_gbs, copy_s = copy_bandwidth(args.copy_gib, args.trials, args.inner)
-    bs, max_ctx = args.block_size, args.max_context
+    max_ctx = args.max_context
     rows = []
     mixed = rng.integers(1, max_ctx + 1, size=args.batch)
     rows.append(decode_case("decode mixed ctx", rng, jax.random.fold_in(key, 10), args,
-                            args.batch, mixed, interpret))
+                            args.batch, mixed, decode_kernel))
     if not args.smoke:
         rows.append(decode_case("decode full ctx", rng, jax.random.fold_in(key, 11), args,
-                                args.batch, [max_ctx] * args.batch, interpret))
-    # Few sequences: split-K (chosen automatically on GPU; forced in interpret mode).
+                                args.batch, [max_ctx] * args.batch, decode_kernel))
+    # Few sequences: split-K on GPU (chosen automatically; forced in interpret mode).
     rows.append(decode_case("decode split-K", rng, jax.random.fold_in(key, 12), args,
-                            args.split_batch, [max_ctx] * args.split_batch, interpret,
-                            num_splits=2 if interpret else None))
+                            args.split_batch, [max_ctx] * args.split_batch, split_kernel))
     chunk = args.prefill_chunk
     prefixes = rng.integers(0, max(1, max_ctx - chunk), size=args.prefill_seqs)
     rows.append(prefill_case("prefill behind prefix", rng, jax.random.fold_in(key, 13), args,
-                             prefixes, [chunk] * args.prefill_seqs, interpret))
+                             prefixes, [chunk] * args.prefill_seqs, prefill_kernel))
     if not args.smoke:
         fresh = max(1, args.prefill_seqs // 2)
         rows.append(prefill_case("prefill fresh prompts", rng, jax.random.fold_in(key, 14), args,
-                                 [0] * fresh, [2 * chunk] * fresh, interpret))
+                                 [0] * fresh, [2 * chunk] * fresh, prefill_kernel))
     for r in rows:
         r["pct_copy_bw"] = 100.0 * r["gb_per_s"] / copy_gbs
+    return rows, copy_gbs, copy_s
 
+
+def report(args, rows, copy_gbs, copy_s, device, seed, interpret, t_start):
+    """Print the table, write --json_out; exit status 0 when every kernel matched."""
     print_table(rows, copy_gbs)
     elapsed = time.perf_counter() - t_start
     all_ok = all(r["ok"] for r in rows)

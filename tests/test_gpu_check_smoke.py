@@ -1,18 +1,22 @@
-"""scripts/gpu_check.py --smoke runs end to end on CPU (interpret mode) and prints its table."""
+"""scripts/gpu_check.py and scripts/tpu_check.py --smoke run end to end on CPU (the Pallas / TPU
+interpreters) and print their tables."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_gpu_check_smoke(tmp_path):
-    json_out = tmp_path / "gpu_check.json"
+@pytest.mark.parametrize("script", ["gpu_check.py", "tpu_check.py"])
+def test_device_check_smoke(tmp_path, script):
+    json_out = tmp_path / "check.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--smoke",
+        [sys.executable, os.path.join(ROOT, "scripts", script), "--smoke",
          "--json_out", str(json_out)],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     output = proc.stdout + proc.stderr

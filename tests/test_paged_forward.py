@@ -8,7 +8,7 @@ import pytest
 
 from engine.packing import SeqSlice, StepLayout, pack
 from engine.step import model_step
-from hf_models import paged_greedy, rel_err
+from paged_driver import paged_greedy, rel_err
 from models.config import ModelConfig
 from models.loading import random_model
 from models.paged import init_kv_cache
@@ -51,7 +51,7 @@ def test_padding_tokens_change_nothing_outside_the_null_block():
                     assert same != ((block, slot) in written), (block, slot)
 
 
-@pytest.mark.parametrize("impl", ["pallas_interpret", "native"])
+@pytest.mark.parametrize("impl", ["pallas_interpret", "native", "pallas_tpu_interpret"])
 def test_model_forward_with_kernels_matches_reference_path(impl):
     """The whole model (batched prefill of three prompts, then decode) through a kernel gives the
     reference path's logits."""
