@@ -33,7 +33,7 @@ def _run(loaded, workload, **config):
     outputs = llm.generate([p for p, _ in workload], [_greedy(m) for _, m in workload], use_tqdm=False)
     scheduler = llm.engine.scheduler
     scheduler.schedule()  # one more step's reap returns the last finished requests' blocks
-    assert scheduler.block_pool.num_used == 0
+    assert scheduler.kv.device_pool.num_used == 0
     return [o.outputs[0].token_ids for o in outputs], scheduler
 
 

@@ -91,7 +91,7 @@ def test_n_samples_share_the_prompt_and_match_single_runs(llama):
     shared = 0
     while engine.has_unfinished():
         engine.step()
-        refs = [engine.scheduler.block_pool.ref_count(b) for b in range(1, engine.scheduler.block_pool.num_total + 1)]
+        refs = [engine.scheduler.kv.device_pool.ref_count(b) for b in range(1, engine.scheduler.kv.device_pool.num_total + 1)]
         shared = max(shared, max(refs))
     assert shared == 3, "the three samples should hold the same full prompt blocks"
     singles = [llm.generate([prompt], SamplingParams(seed=7 + i, **base), use_tqdm=False)[0].outputs[0].token_ids
@@ -157,7 +157,7 @@ def test_bad_input_fails_at_submission_naming_the_field(llama):
         engine.add_request(None, [5, 10_000], SamplingParams())
     with pytest.raises(SamplingParamsError, match="empty"):
         engine.add_request(None, [], SamplingParams())
-    assert not engine.has_unfinished() and engine.scheduler.block_pool.num_used == 0
+    assert not engine.has_unfinished() and engine.scheduler.kv.device_pool.num_used == 0
 
 
 def test_min_tokens_bans_stop_tokens_until_reached(llama):

@@ -1,6 +1,6 @@
 """Scheduler tests against a fake runner: a deterministic "model" and a fake paged KV store that checks
-every read, so a block handed to two requests, a swap that lost data or a recompute that skipped tokens
-shows up as a failed read or a changed output."""
+every read, so a block handed to two requests, a swap that lost data, a recompute that skipped tokens or a
+prefix-cache hit on the wrong content shows up as a failed read or a changed output."""
 
 import collections
 import random
@@ -22,8 +22,19 @@ def fake_model(tokens: list[int]) -> int:
     return hash(tuple(tokens)) % VOCAB
 
 
+def context_keys(tokens: list[int]) -> list[int]:
+    """What a real K/V slot depends on: its token and everything before it (a chained hash per position)."""
+    keys, key = [], 0
+    for token in tokens:
+        key = hash((key, token))
+        keys.append(key)
+    return keys
+
+
 class FakeRunner:
-    """Executes a StepPlan on a dict "KV cache": slot (block, offset) -> (request_id, token)."""
+    """Executes a StepPlan on a dict "KV cache": slot (block, offset) -> (context key, token). A slot is
+    right for a request iff it holds the key of that request's own tokens up to that position, whoever
+    wrote it: that is exactly when a real model's K/V there could be reused."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -35,28 +46,33 @@ class FakeRunner:
         assert block != 0, f"{request.request_id} reads/writes the null block"
         return block, position % self.block_size
 
-    def _write(self, request: Request, position: int, token: int) -> None:
+    def _write(self, request: Request, position: int, keys: list[int]) -> None:
         block, offset = self._slot(request, position)
-        self.device.setdefault(block, [None] * self.block_size)[offset] = (request.request_id, token)
+        entry = (keys[position], request.all_token_ids[position])
+        self.device.setdefault(block, [None] * self.block_size)[offset] = entry
 
-    def _read_context(self, request: Request, n: int) -> list[int]:
-        """The request's first n tokens as read back from the cache; each slot must hold exactly its token."""
+    def _read_context(self, request: Request, n: int, keys: list[int]) -> list[int]:
+        """The request's first n tokens as read back from the cache; each slot must hold exactly its
+        token in its context."""
         expected = request.all_token_ids
         tokens = []
         for position in range(n):
             block, offset = self._slot(request, position)
             entry = self.device.get(block, [None] * self.block_size)[offset]
-            assert entry == (request.request_id, expected[position]), (
+            assert entry == (keys[position], expected[position]), (
                 f"{request.request_id} position {position}: cache holds {entry}")
             tokens.append(entry[1])
         return tokens
+
+    def block_content(self, block: int) -> list | None:
+        return self.device.get(block)
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         for device_ids, host_ids in plan.swap_out:  # first, as the contract says
             assert len(device_ids) == len(host_ids)
             for d, h in zip(device_ids, host_ids):
+                # The device copy stays: a freed block keeps its K/V until reused (a cached one may be hit).
                 self.host[h] = list(self.device.get(d, [None] * self.block_size))
-                self.device[d] = ["swapped-out"] * self.block_size  # freed: poison, a later read must not trust it
         for host_ids, device_ids in plan.swap_in:
             assert len(device_ids) == len(host_ids)
             for h, d in zip(host_ids, device_ids):
@@ -65,16 +81,18 @@ class FakeRunner:
         sampled = {}
         for chunk in plan.prefills:
             r = chunk.request
-            context = self._read_context(r, chunk.start)
+            keys = context_keys(r.all_token_ids)
+            context = self._read_context(r, chunk.start, keys)
             new = r.all_token_ids[chunk.start:chunk.start + chunk.length]
-            for i, token in enumerate(new):
-                self._write(r, chunk.start + i, token)
+            for i in range(len(new)):
+                self._write(r, chunk.start + i, keys)
             if chunk.samples:
                 sampled[r.request_id] = fake_model(context + new)
         for r in plan.decodes:
             position = r.num_tokens - 1
-            context = self._read_context(r, position)
-            self._write(r, position, r.all_token_ids[-1])
+            keys = context_keys(r.all_token_ids)
+            context = self._read_context(r, position, keys)
+            self._write(r, position, keys)
             sampled[r.request_id] = fake_model(context + [r.all_token_ids[-1]])
         return sampled
 
@@ -128,8 +146,7 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
     for r in plan.preempted:
         assert r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 and not r.block_ids
     # Pools are consistent mid-step too (running requests hold this step's decode slots already).
-    sched.block_pool.check_invariants({r.request_id: r.block_ids for r in sched.running})
-    sched.host_pool.check_invariants({r.request_id: r.host_block_ids for r in sched.swapped})
+    sched.kv.check_invariants(sched.running + sched.swapped)
 
 
 @dataclass
@@ -181,10 +198,10 @@ def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]]
         sched.check_invariants()
         step += 1
     # Everything is free at the end, on the device and on the host.
-    assert sched.block_pool.num_free == sched.block_pool.num_total
-    assert sched.host_pool.num_free == sched.host_pool.num_total
-    sched.block_pool.check_invariants({})
-    sched.host_pool.check_invariants({})
+    assert sched.kv.device_pool.num_free == sched.kv.device_pool.num_total
+    assert sched.kv.host_pool.num_free == sched.kv.host_pool.num_total
+    sched.kv.device_pool.check_invariants({})
+    sched.kv.host_pool.check_invariants({})
     outputs = {rid: (r.output_token_ids, r.finish_reason) for rid, r in requests.items()}
     return Run(sched, outputs, first_scheduled, finished_at, rejected, plans, chunks, step)
 
@@ -290,7 +307,7 @@ def test_abort_in_every_state_frees_blocks_at_once():
     advance(sched, runner, 1)
     assert prefilling.status is RequestStatus.RUNNING and prefilling.in_prefill and prefilling.block_ids
     sched.abort("prefilling")
-    assert sched.block_pool.num_free == sched.block_pool.num_total
+    assert sched.kv.device_pool.num_free == sched.kv.device_pool.num_total
     sched.check_invariants()
 
     decoding = Spec("decoding", 0, 4, 10).build()
@@ -298,7 +315,7 @@ def test_abort_in_every_state_frees_blocks_at_once():
     advance(sched, runner, 2)
     assert decoding.status is RequestStatus.RUNNING and not decoding.in_prefill and decoding.output_token_ids
     sched.abort("decoding")
-    assert sched.block_pool.num_free == sched.block_pool.num_total
+    assert sched.kv.device_pool.num_free == sched.kv.device_pool.num_total
     sched.check_invariants()
 
     # Swapped: a more important arrival swaps out the least important running request.
@@ -307,12 +324,12 @@ def test_abort_in_every_state_frees_blocks_at_once():
     assert swapped.status is RequestStatus.SWAPPED and swapped.host_block_ids
     host_block_ids = list(swapped.host_block_ids)
     assert sched.abort("c") is swapped
-    assert sched.host_pool.num_free == sched.host_pool.num_total
+    assert sched.kv.host_pool.num_free == sched.kv.host_pool.num_total
     assert swapped.host_block_ids == host_block_ids  # kept: the engine drops the runner's host copies
     sched.check_invariants()
     advance(sched, runner, 100)
     assert not sched.has_unfinished()
-    assert sched.block_pool.num_free == sched.block_pool.num_total
+    assert sched.kv.device_pool.num_free == sched.kv.device_pool.num_total
 
 
 def test_abort_between_schedule_and_postprocess():
@@ -322,7 +339,7 @@ def test_abort_between_schedule_and_postprocess():
         sched.add(spec.build())
     plan = sched.schedule()
     aborted = sched.abort("a")
-    assert sched.block_pool.num_free == sched.block_pool.num_total - 2
+    assert sched.kv.device_pool.num_free == sched.kv.device_pool.num_total - 2
     sampled = runner.execute(plan)  # the in-flight plan still runs "a" harmlessly: its blocks are unreused
     sched.postprocess(plan, sampled)
     assert aborted.output_token_ids == [] and aborted.finish_reason == "abort"
@@ -473,7 +490,7 @@ def test_high_priority_arrival_preempts_least_important_latest_running(mode):
     assert not sched.has_unfinished()
     for spec, request in requests.values():
         assert (request.output_token_ids, request.finish_reason) == reference(spec, 128)
-    assert sched.block_pool.num_free == 16 and sched.host_pool.num_free == 40
+    assert sched.kv.device_pool.num_free == 16 and sched.kv.host_pool.num_free == 40
 
 
 def test_equal_or_lower_priority_arrival_waits_instead_of_preempting():
@@ -529,7 +546,7 @@ def test_host_blocks_of_a_swap_in_are_not_reused_by_a_same_step_swap_out():
     advance(sched, runner, 3)
     sched.add(y)
     advance(sched, runner, 4)  # h's decode blocks evict x to the host, filling it
-    assert x.status is RequestStatus.SWAPPED and sched.host_pool.num_free == 0 and y.status is RequestStatus.RUNNING
+    assert x.status is RequestStatus.SWAPPED and sched.kv.host_pool.num_free == 0 and y.status is RequestStatus.RUNNING
     x.priority = 1  # as important as w, which arrives later: x swaps in first
     sched.add(w)
     advance(sched, runner, 1)  # h finishes
@@ -541,7 +558,7 @@ def test_host_blocks_of_a_swap_in_are_not_reused_by_a_same_step_swap_out():
     sched.postprocess(plan, runner.execute(plan))
     sched.check_invariants()
     advance(sched, runner, 100)
-    assert not sched.has_unfinished() and sched.host_pool.num_free == 3
+    assert not sched.has_unfinished() and sched.kv.host_pool.num_free == 3
     for spec, request in zip(specs, (x, h, y, w)):
         assert (request.output_token_ids, request.finish_reason) == reference(spec, 128)
 
