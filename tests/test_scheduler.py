@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, cdiv
 
@@ -105,11 +106,17 @@ class Spec:
     max_tokens: int
     priority: int = 0
     eos: tuple[int, ...] = ()
+    shared: int = 0            # the prompt's first `shared` tokens are group `group`'s common prefix
+    group: int = 0
+    salt: str | None = None
 
     def build(self) -> Request:
         rng = random.Random(self.rid)
-        prompt = [rng.randrange(VOCAB) for _ in range(self.prompt_len)]
-        return Request(self.rid, prompt, self.max_tokens, priority=self.priority, eos_token_ids=self.eos)
+        prefix = random.Random(f"prefix {self.group}")
+        prompt = ([prefix.randrange(VOCAB) for _ in range(min(self.shared, self.prompt_len))]
+                  + [rng.randrange(VOCAB) for _ in range(max(self.prompt_len - self.shared, 0))])
+        return Request(self.rid, prompt, self.max_tokens, priority=self.priority, eos_token_ids=self.eos,
+                       cache_salt=self.salt)
 
 
 def reference(spec: Spec, max_model_len: int) -> tuple[list[int], str]:
@@ -149,6 +156,25 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
     sched.kv.check_invariants(sched.running + sched.swapped)
 
 
+def check_cache_contents(sched: Scheduler, runner: FakeRunner, seen: dict[bytes, list]) -> None:
+    """The hash table agrees with what the blocks hold: a cached block held by a request holds exactly that
+    request's tokens (in their context) at its position, and every cached block, held or free, holds what
+    it held when its hash was first seen (`seen`: hash -> block content, kept across steps)."""
+    pool, size = sched.kv.device_pool, sched.config.block_size
+    for r in sched.running + sched.swapped:
+        keys, tokens = context_keys(r.all_token_ids), r.all_token_ids
+        for i, block in enumerate(r.block_ids):
+            block_hash = pool.block_hash(block)
+            if block_hash is not None:
+                span = range(i * size, (i + 1) * size)
+                assert runner.block_content(block) == [(keys[p], tokens[p]) for p in span], (
+                    f"{r.request_id}: cached block {block} at position {i} holds other K/V")
+                seen.setdefault(block_hash, list(runner.block_content(block)))
+    for block_hash, block in pool._cached.items():
+        assert pool.block_hash(block) == block_hash
+        assert runner.block_content(block) == seen[block_hash], f"cached block {block} changed content"
+
+
 @dataclass
 class Run:
     sched: Scheduler
@@ -165,7 +191,7 @@ def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]]
         max_steps: int = 5000) -> Run:
     """Drive scheduler + fake runner to completion, checking the plan and all invariants every step."""
     sched, runner, aborts = Scheduler(config), FakeRunner(config.block_size), aborts or {}
-    requests, rejected, plans = {}, [], []
+    requests, rejected, plans, cache_seen = {}, [], [], {}
     first_scheduled, finished_at, chunks = {}, {}, []
     last_arrival = max((s.arrival_step for s in specs), default=0)
     step = 0
@@ -196,6 +222,7 @@ def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]]
         for r in sched.postprocess(plan, sampled):
             finished_at[r.request_id] = step
         sched.check_invariants()
+        check_cache_contents(sched, runner, cache_seen)
         step += 1
     # Everything is free at the end, on the device and on the host.
     assert sched.kv.device_pool.num_free == sched.kv.device_pool.num_total
@@ -589,12 +616,16 @@ def make_workload(integer, choice):
         num_blocks=integer(4, 32), block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=integer(max_num_seqs, 48), max_model_len=integer(8, 96),
         chunk_size=choice([None, 1, 3, 8, 16]), watermark_blocks=integer(0, 2),
-        preemption_mode=choice(["swap", "recompute"]), num_host_blocks=integer(0, 30))
+        preemption_mode=choice(["swap", "recompute"]), num_host_blocks=integer(0, 30),
+        enable_prefix_caching=choice([True, True, False]))
     fits = min(cfg.max_model_len, (cfg.num_blocks - 1) * block_size)
     specs = []
     for i in range(integer(1, 12)):
         prompt_len = integer(1, cfg.max_model_len + 8) if integer(0, 4) == 0 else integer(1, max(1, fits * 2 // 3))
-        specs.append(Spec(f"r{i}", integer(0, 12), prompt_len, integer(1, 24), integer(0, 2), choice([(), (3,)])))
+        # Most prompts open with one of two common prefixes (a system prompt), some under a salt.
+        shared = integer(0, prompt_len) if integer(0, 3) else 0
+        specs.append(Spec(f"r{i}", integer(0, 12), prompt_len, integer(1, 24), integer(0, 2), choice([(), (3,)]),
+                          shared=shared, group=integer(0, 1), salt=choice([None, None, "tenant"])))
     aborts = {}
     for _ in range(integer(0, 5)):
         aborts.setdefault(integer(0, 40), []).append(choice(specs).rid)
@@ -639,7 +670,18 @@ def test_seeded_random_workloads_cover_every_path(monkeypatch):
                              else r.status.name.lower())] += 1
         return original_abort(self, request_id)
 
+    original_swap_out = KVCacheManager.swap_out
+
+    def counting_swap_out(self, request):
+        swap = original_swap_out(self, request)
+        if swap is not None and request.block_ids:
+            seen["swap keeping a shared head"] += 1
+        if swap is not None and not swap[0]:
+            seen["swap of shared blocks only"] += 1
+        return swap
+
     monkeypatch.setattr(Scheduler, "abort", counting_abort)
+    monkeypatch.setattr(KVCacheManager, "swap_out", counting_swap_out)
     for seed in range(300):
         rng = random.Random(seed)
         result = check_random_workload(*make_workload(rng.randint, rng.choice))
@@ -647,6 +689,7 @@ def test_seeded_random_workloads_cover_every_path(monkeypatch):
         seen["recompute"] += result.sched.num_preemptions["recompute"]
         seen["swap fallback"] += result.sched.num_swap_fallbacks
         seen["over-commit"] += sum(len(dict(p.trace)["admit"]["pending"]) for p in result.plans)
+        seen["prefix hit"] += result.sched.stats()["prefix_cache_hits"]
     for path in ("swap", "recompute", "swap fallback", "over-commit", "abort waiting", "abort mid-prefill",
-                 "abort running", "abort swapped"):
+                 "abort running", "abort swapped", "prefix hit", "swap keeping a shared head"):
         assert seen[path] > 0, f"no {path} in the sweep: {dict(seen)}"
