@@ -236,3 +236,23 @@ def test_pool_rejects_hits_on_uncached_blocks_and_publishing_free_blocks():
     pool.touch([b])
     assert pool.ref_count(b) == 1 and pool.num_free == 2
     pool.check_invariants({"x": [b]})
+
+
+def test_server_metrics_count_prefix_cache_queries_and_hits():
+    from engine.metrics import ServerMetrics
+    from engine.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(num_blocks=20, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=64))
+    metrics = ServerMetrics("m")
+    prompt = random_tokens(3 * BLOCK + 1, seed=17)
+    for rid in ("a", "b"):
+        sched.add(make_request(rid, prompt))
+        plan = sched.schedule()
+        sched.postprocess(plan, {r.request_id: 1 for r in plan.decodes + [c.request for c in plan.prefills]})
+        metrics.record_scheduler_stats(sched.stats())
+    metrics.record_scheduler_stats(sched.stats())  # counted once, however often it is recorded
+    text = metrics.render()[0].decode()
+    assert 'ferry:prefix_cache_queries_total{model_name="m"} 26.0' in text
+    assert 'ferry:prefix_cache_hits_total{model_name="m"} 12.0' in text
+    assert 'ferry:prefix_cache_hit_rate{model_name="m"} ' + str(12 / 26) in text
