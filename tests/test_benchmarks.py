@@ -197,3 +197,24 @@ def test_plots(results):
         png = out_dir / name
         assert png.exists() and png.stat().st_size > 1000, name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_throughput_prefix_workloads_cache_on_and_off(tmp_path):
+    """The multi-turn chat workload (over a shared system prompt), prefix caching on and off in one run:
+    both complete every request with no compilation after warm-up; only the cached one hits."""
+    path = tmp_path / "multi_turn.json"
+    flags = {k: v for k, v in TINY_THROUGHPUT.items() if k not in ("compare", "static_batch", "torch_threads")}
+    output = _finish(_start("benchmark_throughput.py", **(flags | dict(
+        workload="multi_turn", turns=2, shared_prefix_len=40, block_size=8, compare="ferry,ferry-nocache",
+        single_request=False)), json_out=path), "multi_turn")
+    assert "TTFT p99 ms" in output and "hit %" in output
+    result = json.loads(path.read_text())
+    assert result["workload"]["num_requests"] == 12
+    for name in ("ferry", "ferry-nocache"):
+        r = result["results"][name]
+        assert r["all_outputs_complete"] and r["compiles_after_warmup"] == 0, name
+        assert 0 < r["median"]["ttft_ms_p50"] <= r["median"]["ttft_ms_p99"], name
+    assert result["results"]["ferry"]["median"]["prefix_cache_hit_rate"] > 0.3
+    assert result["results"]["ferry-nocache"]["median"]["prefix_cache_hit_rate"] == 0
+    # every turn resends its history: the second turns' prompts include the first turns' 4..16 answers
+    assert result["workload"]["prompt_len"]["max"] > 40 + 16 + 4

@@ -63,7 +63,8 @@ def test_greedy_outputs_identical_under_preemption_and_chunking(checkpoint):
 
 
 def test_no_compilation_after_warmup(checkpoint):
-    """200 requests of mixed prompt and output lengths after warmup(): zero new XLA compilations."""
+    """200 requests of mixed prompt and output lengths after warmup(), half of them over a shared prefix
+    (prefills starting after cache hits): zero new XLA compilations."""
     seed, _, loaded = checkpoint
     engine = LLMEngine(loaded, EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=128,
                                             num_blocks=160, chunk_size=64, max_model_len=160))
@@ -71,14 +72,18 @@ def test_no_compilation_after_warmup(checkpoint):
     counter = CompileCounter.install()
     before = counter.count
     rng = np.random.default_rng(seed)
-    for _ in range(200):
+    shared = rng.integers(3, loaded.cfg.vocab_size, size=60).tolist()
+    for i in range(200):
         prompt = rng.integers(3, loaded.cfg.vocab_size, size=int(rng.integers(1, 130))).tolist()
+        if i % 2:
+            prompt = (shared + prompt)[:130]
         params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 30)), ignore_eos=True,
                                 priority=int(rng.integers(0, 3)))
         engine.add_request(None, prompt, params)
     while engine.has_unfinished():
         engine.step()
     assert counter.count - before == 0, f"{counter.count - before} compilations after warm-up"
+    assert engine.scheduler.stats()["prefix_cache_hits"] > 0
 
 
 def _shared_prefix_workload(seed, vocab, n=10, system_len=44):
