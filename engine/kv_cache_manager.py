@@ -145,6 +145,13 @@ class KVCacheManager:
         request.block_ids += new
         return new
 
+    def num_held_alone(self, requests: list[Request], exclude: list[int]) -> int:
+        """Device blocks that evicting these requests surely frees, swap or recompute: the ones each holds
+        alone (a shared block outlives its holder), less `exclude` (an admission's own hits about to be
+        shared). O(their blocks)."""
+        excluded = set(exclude)
+        return sum(self.device_pool.ref_count(b) == 1 and b not in excluded for r in requests for b in r.block_ids)
+
     # -------------------------------------------------------------- release
 
     def free(self, request: Request, forget: bool = True) -> None:

@@ -329,8 +329,7 @@ class Scheduler:
         frees (requests admitted this step are never evicted). Only blocks a victim holds alone count, and
         not `request`'s own cache hits: a shared block outlives its victim."""
         victims = [r for r in self.running if r.priority > request.priority and r not in step.admitted]
-        kept = set(hits)
-        return sum(self.kv.device_pool.ref_count(b) == 1 and b not in kept for r in victims for b in r.block_ids)
+        return self.kv.num_held_alone(victims, exclude=hits)
 
     def _start(self, request: Request, chunk_length: int, step: _StepState) -> None:
         """Give an admitted request its device blocks and put it in the running set."""
