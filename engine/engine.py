@@ -163,7 +163,7 @@ class LLMEngine:
         cached prompt blocks only when their `cache_salt`s are equal (None: the common namespace)."""
         params = params or SamplingParams()
         if cache_salt is not None and not isinstance(cache_salt, str):
-            raise SamplingParamsError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
+            raise SamplingParamsError("cache_salt", f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self._groups:

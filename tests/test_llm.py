@@ -231,5 +231,6 @@ def test_cache_salt_and_reset_prefix_cache(llama):
     hits = run("g")
     assert hits == 120                     # f hit 40; g found nothing after the reset
     assert len({tuple(t) for t in outputs.values()}) == 1
-    with pytest.raises(SamplingParamsError, match="cache_salt"):
+    with pytest.raises(SamplingParamsError, match="cache_salt must be a string") as error:
         engine.add_request("bad", prompt, params, cache_salt=7)
+    assert error.value.field == "cache_salt" and not engine.has_unfinished()
