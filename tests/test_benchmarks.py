@@ -216,5 +216,5 @@ def test_throughput_prefix_workloads_cache_on_and_off(tmp_path):
         assert 0 < r["median"]["ttft_ms_p50"] <= r["median"]["ttft_ms_p99"], name
     assert result["results"]["ferry"]["median"]["prefix_cache_hit_rate"] > 0.3
     assert result["results"]["ferry-nocache"]["median"]["prefix_cache_hit_rate"] == 0
-    # every turn resends its history: the second turns' prompts include the first turns' 4..16 answers
-    assert result["workload"]["prompt_len"]["max"] > 40 + 16 + 4
+    # second turns resend their history: longer than any first turn (system prompt + a 4..16-token message)
+    assert result["workload"]["prompt_len"]["max"] > 40 + 16
