@@ -205,7 +205,7 @@ def test_throughput_prefix_workloads_cache_on_and_off(tmp_path):
     path = tmp_path / "multi_turn.json"
     flags = {k: v for k, v in TINY_THROUGHPUT.items() if k not in ("compare", "static_batch", "torch_threads")}
     output = _finish(_start("benchmark_throughput.py", **(flags | dict(
-        workload="multi_turn", turns=2, shared_prefix_len=40, block_size=8, compare="ferry,ferry-nocache",
+        workload="multi_turn", turns=2, shared_prefix_len=32, compare="ferry,ferry-nocache",
         single_request=False)), json_out=path), "multi_turn")
     assert "TTFT p99 ms" in output and "hit %" in output
     result = json.loads(path.read_text())
@@ -214,7 +214,7 @@ def test_throughput_prefix_workloads_cache_on_and_off(tmp_path):
         r = result["results"][name]
         assert r["all_outputs_complete"] and r["compiles_after_warmup"] == 0, name
         assert 0 < r["median"]["ttft_ms_p50"] <= r["median"]["ttft_ms_p99"], name
-    assert result["results"]["ferry"]["median"]["prefix_cache_hit_rate"] > 0.3
+    assert result["results"]["ferry"]["median"]["prefix_cache_hit_rate"] > 0.25
     assert result["results"]["ferry-nocache"]["median"]["prefix_cache_hit_rate"] == 0
     # second turns resend their history: longer than any first turn (system prompt + a 4..16-token message)
-    assert result["workload"]["prompt_len"]["max"] > 40 + 16
+    assert result["workload"]["prompt_len"]["max"] > 32 + 16
