@@ -90,8 +90,8 @@ def _start(script: str, **flags) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env=ENV)
 
 
-def _finish(proc: subprocess.Popen, what: str) -> str:
-    output, _ = proc.communicate(timeout=300)
+def _finish(proc: subprocess.Popen, what: str, timeout_s: int = 300) -> str:
+    output, _ = proc.communicate(timeout=timeout_s)
     assert proc.returncode == 0, f"{what} failed:\n{output[-5000:]}"
     return output
 
@@ -205,8 +205,8 @@ def test_throughput_prefix_workloads_cache_on_and_off(tmp_path):
     path = tmp_path / "multi_turn.json"
     flags = {k: v for k, v in TINY_THROUGHPUT.items() if k not in ("compare", "static_batch", "torch_threads")}
     output = _finish(_start("benchmark_throughput.py", **(flags | dict(
-        workload="multi_turn", turns=2, shared_prefix_len=32, compare="ferry,ferry-nocache",
-        single_request=False)), json_out=path), "multi_turn")
+        workload="multi_turn", turns=2, shared_prefix_len=32, compare="ferry,ferry-nocache", max_num_seqs=2,
+        max_num_batched_tokens=32, single_request=False)), json_out=path), "multi_turn", timeout_s=900)
     assert "TTFT p99 ms" in output and "hit %" in output
     result = json.loads(path.read_text())
     assert result["workload"]["num_requests"] == 12
