@@ -1,5 +1,6 @@
-"""Ref-counted pools of KV-cache blocks: device blocks (block 0 reserved as the null block) and host
-(swap) blocks. Allocation is all-or-nothing; a block returns to the free list when its last holder frees it."""
+"""Ref-counted pools of KV-cache blocks: device blocks (block 0 reserved as the null block, and the prefix
+cache's block table) and host (swap) blocks. Allocation is all-or-nothing; a block returns to the free list
+when its last holder frees it. Only engine.kv_cache_manager changes them."""
 
 from collections import Counter, OrderedDict, deque
 
@@ -203,10 +204,10 @@ class BlockPool(_RefCountedBlocks):
 
     def check_invariants(self, holders: dict[str, list[int]] | None = None) -> None:
         super().check_invariants(holders)
-        _check(all(self._block_hash[b] is None for b in self._free), "a hashed block in the never-cached free list")
+        _check(all(self._block_hash[b] is None for b in self._free), "a hashed block in the never-cached list")
         _check(all(self._block_hash[b] is not None for b in self._evictable), "an unhashed block in the evictable queue")
-        _check(len(self._cached) == sum(h is not None for h in self._block_hash),
-               f"{len(self._cached)} hashes in the table but {sum(h is not None for h in self._block_hash)} hashed blocks")
+        hashed = sum(h is not None for h in self._block_hash)
+        _check(len(self._cached) == hashed, f"{len(self._cached)} hashes in the table but {hashed} hashed blocks")
         for block_hash, b in self._cached.items():
             _check(self._block_hash[b] == block_hash, f"block {b} is cached under a hash it does not carry")
 

@@ -56,7 +56,8 @@ class ServerMetrics:
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Tokens looked up in the prefix cache (prefill targets of admitted requests).")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Of those tokens, the ones found in the prefix cache.")
-        self.prefix_cache_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries since start (1 = 100%).")
+        self.prefix_cache_hit_rate = gauge("prefix_cache_hit_rate",
+                                           "Prefix-cache hits / queries since start (1 = 100%).")
         self._totals_seen: dict[str, int] = {}  # cumulative scheduler counts already turned into increments
         # Every label value exists from the start, so a scrape shows zeros rather than missing series.
         for mode in ("swap", "recompute"):
