@@ -92,6 +92,8 @@ def define_engine_flags():
                       "paged attention implementation; unset: chosen by backend")
     flags.DEFINE_string("dtype", d.dtype, "dtype to load the weights in (e.g. bfloat16, float32); unset: "
                         "the checkpoint's")
+    flags.DEFINE_boolean("enable_prefix_caching", d.enable_prefix_caching, "reuse the KV cache of prompt "
+                         "blocks another request already computed (--noenable_prefix_caching: off)")
     flags.DEFINE_integer("engine_seed", d.seed, "draws the sampling seed of every request that sets none "
                          "(EngineConfig.seed)")
 

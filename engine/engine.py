@@ -48,6 +48,7 @@ class EngineConfig:
     attention_impl: str | None = None      # None: by backend (pallas_kernels.attention)
     dtype: str | None = None               # model dtype when loading from a path
     seed: int = 0                          # draws the seeds of requests that give none
+    enable_prefix_caching: bool = True     # reuse the K/V of cached leading prompt blocks (kv_cache_manager)
 
     def __post_init__(self):
         if self.preemption_mode not in ("swap", "recompute"):
@@ -102,7 +103,7 @@ class _Group:
     prompt_token_ids: list[int]
     params: SamplingParams
     samples: list[_Sample]
-    unforked: int = 0                      # samples still to fork off sample 0 once its prompt is cached
+    unforked: int = 0                      # samples still to add once sample 0's prompt is cached
     prompt_logprobs: list | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -154,7 +155,8 @@ class LLMEngine:
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max_tokens, max_model_len=max_model_len, chunk_size=config.chunk_size,
             watermark_blocks=config.watermark_blocks, preemption_mode=config.preemption_mode,
-            num_host_blocks=num_blocks if config.num_host_blocks is None else config.num_host_blocks))
+            num_host_blocks=num_blocks if config.num_host_blocks is None else config.num_host_blocks,
+            enable_prefix_caching=config.enable_prefix_caching))
         self.runner = ModelRunner(
             model, num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max_tokens, max_model_len=max_model_len, kv_dtype=kv_dtype,
@@ -171,10 +173,13 @@ class LLMEngine:
     # -------------------------------------------------------------- requests
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None) -> str:
+                    params: SamplingParams | None = None, *, cache_salt: str | None = None) -> str:
         """Queue a request (a prompt string, or token ids); returns its id. Bad input raises ValueError
-        (SamplingParamsError for a bad parameter, naming the field) and changes nothing."""
+        (SamplingParamsError for a bad parameter, naming the field) and changes nothing. Requests share
+        cached prompt blocks only when their `cache_salt`s are equal (None: the common namespace)."""
         params = params or SamplingParams()
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise SamplingParamsError("cache_salt", f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self._groups:
@@ -192,7 +197,8 @@ class LLMEngine:
                 request_id=f"{request_id}#{index}", prompt_token_ids=list(prompt_ids), max_tokens=max_tokens,
                 priority=params.priority, eos_token_ids=self.eos_token_ids,
                 stop_token_ids=stop_token_ids, ignore_eos=params.ignore_eos,
-                min_tokens=params.min_tokens, params=params, seed=(base_seed + index) % MAX_SEED)
+                min_tokens=params.min_tokens, params=params, seed=(base_seed + index) % MAX_SEED,
+                cache_salt=cache_salt)
             samples.append(_Sample(index, request, self._detokenizer(prompt_ids, params),
                                    logprobs=[] if params.logprobs is not None else None))
             if samples[-1].detokenizer is not None:
@@ -258,6 +264,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._groups) or self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (e.g. after swapping weights); False, changing nothing, while a
+        running request holds a cached block."""
+        return self.scheduler.reset_prefix_cache()
 
     @property
     def num_requests(self) -> int:
@@ -369,15 +380,13 @@ class LLMEngine:
         return [sample for sample in group.started_samples if self._advance(sample, out)]
 
     def _fork(self, group: _Group):
-        """Once sample 0's prompt is cached, the other samples share its full prompt blocks."""
+        """The other samples join once sample 0's prompt is computed: its full prompt blocks are then in
+        the prefix cache, so their admission shares them (with caching off, each prefills its own)."""
         first = group.samples[0].request
         if not group.unforked or first.in_prefill or first.is_finished and first.finish_reason == "abort":
             return
         for sample in group.samples[len(group.samples) - group.unforked:]:
-            if first.is_finished:  # finished before it could be forked: a plain add
-                self.scheduler.add(sample.request)
-            else:
-                self.scheduler.fork(first, sample.request)
+            self.scheduler.add(sample.request)
         group.unforked = 0
 
     def _advance(self, sample: _Sample, out: RunnerOutput) -> bool:

@@ -53,7 +53,12 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens (all n samples).")
         self._request_success = counter(
             "request_success", "Finished samples (each of a request's n), by finish reason.", ["finished_reason"])
-        self._preemptions_seen: dict[str, int] = {}
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Tokens looked up in the prefix cache (prefill targets of admitted requests).")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Of those tokens, the ones found in the prefix cache.")
+        self.prefix_cache_hit_rate = gauge("prefix_cache_hit_rate",
+                                           "Prefix-cache hits / queries since start (1 = 100%).")
+        self._totals_seen: dict[str, int] = {}  # cumulative scheduler counts already turned into increments
         # Every label value exists from the start, so a scrape shows zeros rather than missing series.
         for mode in ("swap", "recompute"):
             self._preemptions.labels(model_name, mode)
@@ -61,16 +66,23 @@ class ServerMetrics:
             self._request_success.labels(model_name, reason)
 
     def record_scheduler_stats(self, stats: dict) -> None:
-        """Gauges from `Scheduler.stats()`; its cumulative preemption counts become counter increments."""
+        """Gauges from `Scheduler.stats()`; its cumulative preemption and prefix-cache counts become counter
+        increments."""
         self.num_requests_running.set(stats["num_running"])
         self.num_requests_waiting.set(stats["num_waiting"])
         self.num_requests_swapped.set(stats["num_swapped"])
         self.kv_cache_usage.set(stats["kv_usage"])
+        self.prefix_cache_hit_rate.set(stats["prefix_cache_hit_rate"])
         for mode, total in stats["preemptions"].items():
-            new = total - self._preemptions_seen.get(mode, 0)
-            if new:
-                self._preemptions.labels(self.model_name, mode).inc(new)
-            self._preemptions_seen[mode] = total
+            self._increment(self._preemptions.labels(self.model_name, mode), f"preemptions/{mode}", total)
+        self._increment(self.prefix_cache_queries, "prefix_cache_queries", stats["prefix_cache_queries"])
+        self._increment(self.prefix_cache_hits, "prefix_cache_hits", stats["prefix_cache_hits"])
+
+    def _increment(self, counter, key: str, total: int) -> None:
+        new = total - self._totals_seen.get(key, 0)
+        if new:
+            counter.inc(new)
+        self._totals_seen[key] = total
 
     def record_finished_sample(self, finish_reason: str) -> None:
         self._request_success.labels(self.model_name, finish_reason).inc()

@@ -39,6 +39,9 @@ class Request:
     stop_checker: Callable[["Request"], str | None] | None = None
     params: SamplingParams | None = None    # None: greedy
     seed: int = 0                           # the request's seed (drawn by the engine when not given)
+    cache_salt: str | None = None           # prefix-cache namespace: only requests with the same salt share
+    # Hashes of the full blocks of all_token_ids, computed lazily by the KV cache manager: [n_hashed] x 32 bytes
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -2,24 +2,22 @@
 which get device blocks, and which are preempted. Host-side only; the runner executes its StepPlan.
 
 One step is five phases, in order:
-  reap     requests finished last step leave; their blocks go back to the pool
+  reap     requests finished last step leave; their blocks go back to the pool (cached ones stay findable)
   budget   free blocks minus what running decoders are already promised (and the watermark)
   admit    continue chunked prefills, then swapped and waiting requests in (priority, arrival) order
   preempt  only if demand exceeds the free blocks: evict least important, latest arrival first
   decode   every running request past its prefill gets its slot and advances one token
+
+Every block change goes through the KVCacheManager (self.kv): this module only decides who gets what.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool, HostBlockPool
+from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
 
 PREEMPTION_MODES = ("swap", "recompute")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _check(condition: bool, message: str) -> None:
@@ -40,6 +38,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # "swap" | "recompute"
     num_host_blocks: int = 0            # swap space
     trace_history: int = 1000           # step traces kept in Scheduler.step_traces
+    enable_prefix_caching: bool = True  # reuse cached K/V of equal leading blocks (engine.kv_cache_manager)
 
     def __post_init__(self):
         positive = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -115,8 +114,8 @@ def _order(request: Request) -> tuple[int, int]:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.block_pool = BlockPool(config.num_blocks)
-        self.host_pool = HostBlockPool(config.num_host_blocks)
+        self.kv = KVCacheManager(config.num_blocks, config.num_host_blocks, config.block_size,
+                                 config.enable_prefix_caching)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -140,29 +139,16 @@ class Scheduler:
         if n > c.max_model_len:
             raise ValueError(f"request {rid!r}: prompt of {n} tokens is longer than max_model_len={c.max_model_len}")
         need = cdiv(min(n + request.max_tokens, c.max_model_len), c.block_size)
-        if need > self.block_pool.num_total:
+        if need > self.kv.num_total:
             raise ValueError(
                 f"request {rid!r} can never fit in the KV cache: {n} prompt + {request.max_tokens} max tokens "
                 f"(capped at max_model_len={c.max_model_len}) need {need} blocks of {c.block_size} tokens, "
-                f"but the cache has {self.block_pool.num_total} usable blocks")
+                f"but the cache has {self.kv.num_total} usable blocks")
         request.arrival = self._next_arrival
         self._next_arrival += 1
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         self.waiting.append(request)
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Add `child`, a sample of the same prompt, sharing the parent's full prompt blocks that are
-        already computed (ref counted); only the tail of the prompt is prefilled for it. The parent
-        must be running (its blocks on the device); blocks are never written twice because block
-        tables are append-only and a shared block is full."""
-        if parent.status is not RequestStatus.RUNNING or child.prompt_token_ids != parent.prompt_token_ids:
-            raise ValueError(f"request {child.request_id!r}: can fork only a running request's prompt")
-        self.add(child)
-        shared = min(parent.num_computed_tokens, child.num_prompt_tokens - 1) // self.config.block_size
-        child.block_ids = list(parent.block_ids[:shared])
-        self.block_pool.incref(child.block_ids)
-        child.num_computed_tokens = shared * self.config.block_size
 
     def abort(self, request_id: str, reason: str = "abort") -> Request | None:
         """Drop a request in any state, freeing its device and host blocks now. None if unknown or already
@@ -172,15 +158,9 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-            self.block_pool.free(request.block_ids)
-        elif request.status is RequestStatus.SWAPPED:
-            self.swapped.remove(request)
-            self.host_pool.free(request.host_block_ids)
-        else:
-            self.waiting.remove(request)
-            self.block_pool.free(request.block_ids)  # a forked request waits holding shared blocks
+        {RequestStatus.RUNNING: self.running, RequestStatus.SWAPPED: self.swapped,
+         RequestStatus.WAITING: self.waiting}[request.status].remove(request)
+        self.kv.free(request, forget=False)
         request.finish(reason)
         del self.requests[request_id]
         return request
@@ -204,22 +184,21 @@ class Scheduler:
 
     def _reap(self, step: _StepState) -> None:
         """Requests finished by the last postprocess leave; their blocks return before _budget counts."""
-        free_before = self.block_pool.num_free
+        free_before = self.kv.num_free
         finished = [r for r in self.running if r.is_finished]
         self.running = [r for r in self.running if not r.is_finished]
         for request in finished:
-            self.block_pool.free(request.block_ids)
-            request.block_ids = []
+            self.kv.free(request)
             del self.requests[request.request_id]
         step.plan.finished = finished
         step.trace("reap", finished=[r.request_id for r in finished], free_before=free_before,
-                   freed_blocks=self.block_pool.num_free - free_before, free_after=self.block_pool.num_free)
+                   freed_blocks=self.kv.num_free - free_before, free_after=self.kv.num_free)
 
     def _budget(self, step: _StepState) -> int:
-        """Blocks admission may hand out: free now (reaped blocks included) minus running decoders' new
-        slots and the watermark. Negative means the decoders alone are short."""
-        free = self.block_pool.num_free
-        promised = sum(self._needs_decode_block(r) for r in self._decoders())
+        """Blocks admission may hand out: free now (reaped and evictable cached blocks included) minus running
+        decoders' new slots and the watermark. Negative means the decoders alone are short."""
+        free = self.kv.num_free
+        promised = sum(self.kv.needs_decode_slot(r) for r in self._decoders())
         # The watermark is headroom for running decoders; with none running it would only block a big prompt.
         watermark = self.config.watermark_blocks if self.running else 0
         budget = free - promised - watermark
@@ -251,29 +230,30 @@ class Scheduler:
         then give the pending admissions their blocks."""
         demand_before = self._block_demand(step)
         victims = []
-        while self.block_pool.num_free < self._block_demand(step):
+        while self.kv.num_free < self._block_demand(step):
             victim = self._pick_victim(step)
             if victim is None:  # admission only over-commits what evicting can cover
-                raise RuntimeError(f"scheduler bug: {self.block_pool.num_free} free blocks, demand "
+                raise RuntimeError(f"scheduler bug: {self.kv.num_free} free blocks, demand "
                                    f"{self._block_demand(step)}, and no request left to preempt")
             victims.append((victim.request_id, self._evict(victim, step)))
         for pending in step.pending:
             self._start(pending.request, pending.chunk_length, step)
         # Swapped-in requests' host blocks are released only now: the runner copies swap-outs first, so a
         # victim must never be given a host block that a swap-in of this same step still has to read.
-        self.host_pool.free(step.host_blocks_to_free)
-        step.trace("preempt", victims=victims, demand=demand_before, free=self.block_pool.num_free)
+        self.kv.release_host_blocks(step.host_blocks_to_free)
+        step.trace("preempt", victims=victims, demand=demand_before, free=self.kv.num_free)
 
     def _decode(self, step: _StepState) -> None:
         """Every running request past its prefill gets the slot for position num_tokens-1 and decodes."""
         new_blocks = 0
         for request in self._decoders():
-            if self._needs_decode_block(request):
-                request.block_ids.extend(self.block_pool.allocate(1))
-                new_blocks += 1
+            slot = self.kv.allocate_decode_slot(request)
+            if slot is None:
+                raise RuntimeError(f"scheduler bug: no block for {request.request_id!r}'s decode slot")
+            new_blocks += len(slot)
             step.plan.decodes.append(request)
         step.trace("decode", decodes=[r.request_id for r in step.plan.decodes], new_blocks=new_blocks,
-                   free=self.block_pool.num_free)
+                   free=self.kv.num_free)
 
     # -------------------------------------------------------------- results
 
@@ -289,6 +269,7 @@ class Scheduler:
                 raise RuntimeError(f"request {request.request_id!r}: chunk starts at {chunk.start} but "
                                    f"{request.num_computed_tokens} tokens are computed (plan applied twice?)")
             request.num_computed_tokens += chunk.length
+            self.kv.publish_computed(request)  # its K/V are written now: later admissions may share them
             if chunk.samples:
                 self._append_token(request, sampled[request.request_id], finished)
         for request in plan.decodes:
@@ -298,6 +279,7 @@ class Scheduler:
                 raise RuntimeError(f"request {request.request_id!r}: decoding with {request.num_computed_tokens}"
                                    f" of {request.num_tokens} tokens computed (plan applied twice?)")
             request.num_computed_tokens += 1
+            self.kv.publish_computed(request)
             self._append_token(request, sampled[request.request_id], finished)
         return finished
 
@@ -313,55 +295,55 @@ class Scheduler:
     def _decoders(self) -> list[Request]:
         return [r for r in self.running if not r.in_prefill]
 
-    def _needs_decode_block(self, request: Request) -> bool:
-        return cdiv(request.num_tokens, self.config.block_size) > len(request.block_ids)
-
     def _admission_queue(self) -> list[Request]:
         # Within a priority level swapped requests go first (and, not fitting, block waiting ones);
         # a strictly more important waiting request is not held up by a less important swapped one.
         return sorted(self.swapped + self.waiting,
                       key=lambda r: (r.priority, r.status is not RequestStatus.SWAPPED, r.arrival))
 
-    def _blocks_to_admit(self, request: Request) -> int:
-        if request.status is RequestStatus.SWAPPED:
-            slot = cdiv(request.num_tokens, self.config.block_size) > len(request.host_block_ids)
-            return len(request.host_block_ids) + (slot and not request.in_prefill)
-        # The whole prefill target upfront, so a started prefill never waits for blocks (less any
-        # shared blocks a forked request already holds).
-        return cdiv(request.prefill_target, self.config.block_size) - len(request.block_ids)
-
     def _try_admit(self, request: Request, step: _StepState) -> bool:
+        """Admit `request` if its blocks fit (the whole prefill target upfront, so a started prefill never
+        waits for blocks; cache hits cost nothing unless they sit in the free list), or if evicting less
+        important requests can make them fit (then it is pending until _preempt has)."""
         if len(self.running) + len(step.pending) >= self.config.max_num_seqs or step.tokens_left == 0:
             return False
-        need = self._blocks_to_admit(request)
+        hits = self.kv.cached_prefix(request)
+        need = self.kv.admission_cost(request, hits)
         fits = need <= step.blocks_left
-        if not fits and need > step.blocks_left + self._reclaimable_blocks(request, step):
+        if not fits and need > step.blocks_left + self._reclaimable_blocks(request, step, hits):
             return False
         step.blocks_left -= need
+        if request.status is RequestStatus.WAITING:
+            # Held from now on: no allocation of this step can evict them before _start.
+            self.kv.take_prefix(request, hits)
         chunk_length = self._chunk_length(request, step.tokens_left) if request.in_prefill else 0
         step.tokens_left -= chunk_length if request.in_prefill else 1
         if fits:
             self._start(request, chunk_length, step)
         else:
-            step.pending.append(_Pending(request, need, chunk_length))
+            step.pending.append(_Pending(request, self.kv.admission_cost(request, []), chunk_length))
         return True
 
-    def _reclaimable_blocks(self, request: Request, step: _StepState) -> int:
-        """Over-commit: blocks held by running requests less important than `request` that _preempt may
-        evict for it (requests admitted this step are never evicted)."""
-        return sum(len(r.block_ids) for r in self.running
-                   if r.priority > request.priority and r not in step.admitted)
+    def _reclaimable_blocks(self, request: Request, step: _StepState, hits: list[int]) -> int:
+        """Over-commit: blocks that evicting the running requests less important than `request` surely
+        frees (requests admitted this step are never evicted). Only blocks a victim holds alone count, and
+        not `request`'s own cache hits: a shared block outlives its victim."""
+        victims = [r for r in self.running if r.priority > request.priority and r not in step.admitted]
+        return self.kv.num_held_alone(victims, exclude=hits)
 
     def _start(self, request: Request, chunk_length: int, step: _StepState) -> None:
         """Give an admitted request its device blocks and put it in the running set."""
         if request.status is RequestStatus.SWAPPED:
-            request.block_ids = self.block_pool.allocate(len(request.host_block_ids))
-            step.plan.swap_in.append((request.host_block_ids, list(request.block_ids)))
-            step.host_blocks_to_free.extend(request.host_block_ids)
-            request.host_block_ids = []
+            swap = self.kv.swap_in(request)
+            if swap is None:
+                raise RuntimeError(f"scheduler bug: no device blocks to swap {request.request_id!r} in")
+            if swap[0]:  # a request whose blocks are all shared kept them on the device: nothing to copy
+                step.plan.swap_in.append(swap)
+                step.host_blocks_to_free.extend(swap[0])
             self.swapped.remove(request)
         else:
-            request.block_ids += self.block_pool.allocate(self._blocks_to_admit(request))
+            if self.kv.allocate_prefill(request) is None:
+                raise RuntimeError(f"scheduler bug: no device blocks to admit {request.request_id!r}")
             self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -386,7 +368,7 @@ class Scheduler:
     # -------------------------------------------------------------- preemption helpers
 
     def _block_demand(self, step: _StepState) -> int:
-        return sum(self._needs_decode_block(r) for r in self._decoders()) + sum(p.num_blocks for p in step.pending)
+        return sum(self.kv.needs_decode_slot(r) for r in self._decoders()) + sum(p.num_blocks for p in step.pending)
 
     def _pick_victim(self, step: _StepState) -> Request | None:
         """Least important, then latest arrival; never one admitted this step, and never one at least as
@@ -410,21 +392,21 @@ class Scheduler:
         return mode
 
     def _swap_out(self, victim: Request, step: _StepState) -> bool:
-        """Move the victim's K/V to host blocks; False (nothing changed) if the host pool is too full."""
-        if self.host_pool.num_free < len(victim.block_ids):
+        """Move the victim's K/V to host blocks (those it shares stay: KVCacheManager.swap_out); False
+        (nothing changed) if the host pool is too full."""
+        swap = self.kv.swap_out(victim)
+        if swap is None:
             return False
-        victim.host_block_ids = self.host_pool.allocate(len(victim.block_ids))
-        step.plan.swap_out.append((list(victim.block_ids), list(victim.host_block_ids)))
-        self.block_pool.free(victim.block_ids)
-        victim.block_ids = []
+        if swap[0]:
+            step.plan.swap_out.append(swap)
         victim.status = RequestStatus.SWAPPED
         self.swapped.append(victim)
         return True
 
     def _recompute(self, victim: Request, step: _StepState) -> None:
-        """Drop the victim's K/V; it re-queues with its outputs and re-prefills them later."""
-        self.block_pool.free(victim.block_ids)
-        victim.block_ids = []
+        """Drop the victim's K/V (its cached blocks stay in the cache, so its re-prefill may hit them); it
+        re-queues with its outputs and re-prefills them later."""
+        self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         self.waiting.append(victim)
@@ -444,21 +426,33 @@ class Scheduler:
     def num_swapped(self) -> int:
         return len(self.swapped)
 
+    # Read-only views for observers (server, serve CLI, tests); every change goes through self.kv.
+    @property
+    def block_pool(self):
+        return self.kv.device_pool
+
+    @property
+    def host_pool(self):
+        return self.kv.host_pool
+
     @property
     def kv_usage(self) -> float:
-        return self.block_pool.usage
+        return self.kv.device_pool.usage
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (nothing changed) while any cached block is held."""
+        return self.kv.reset_prefix_cache()
 
     def stats(self) -> dict:
+        """Queue sizes, preemptions, KV usage and the prefix cache's counters (KVCacheManager.stats)."""
         return {"step": self._num_steps, "num_running": self.num_running, "num_waiting": self.num_waiting,
                 "num_swapped": self.num_swapped, "preemptions": dict(self.num_preemptions),
-                "swap_fallbacks": self.num_swap_fallbacks, "kv_usage": self.kv_usage,
-                "host_usage": self.host_pool.usage}
+                "swap_fallbacks": self.num_swap_fallbacks} | self.kv.stats()
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless pools, queues and requests agree. Meant between steps (after
         postprocess), e.g. after every step in tests."""
-        self.block_pool.check_invariants({r.request_id: r.block_ids for r in self.running + self.waiting})
-        self.host_pool.check_invariants({r.request_id: r.host_block_ids for r in self.swapped})
+        self.kv.check_invariants(self.running + self.waiting + self.swapped)
         queues = ((self.waiting, RequestStatus.WAITING), (self.running, RequestStatus.RUNNING),
                   (self.swapped, RequestStatus.SWAPPED))
         seen = set()
@@ -473,12 +467,13 @@ class Scheduler:
                 if status is RequestStatus.RUNNING:
                     _check(len(r.block_ids) == expected and not r.host_block_ids,
                            f"{r.request_id}: {len(r.block_ids)} device blocks, expected {expected}")
-                elif status is RequestStatus.SWAPPED:
-                    _check(len(r.host_block_ids) == expected and not r.block_ids,
-                           f"{r.request_id}: {len(r.host_block_ids)} host blocks, expected {expected}")
-                else:  # only a forked request waits holding (shared, computed) blocks
-                    _check(not r.host_block_ids and r.num_computed_tokens == len(r.block_ids) * self.config.block_size,
+                elif status is RequestStatus.SWAPPED:  # a swapped request keeps its shared head on the device
+                    _check(self.kv.num_blocks(r) == expected,
+                           f"{r.request_id}: {len(r.block_ids)} device + {len(r.host_block_ids)} host blocks, "
+                           f"expected {expected}")
+                else:
+                    _check(not r.block_ids and not r.host_block_ids and r.num_computed_tokens == 0,
                            f"{r.request_id}: waiting with {r.num_computed_tokens} computed tokens in "
-                           f"{len(r.block_ids)} blocks")
+                           f"{len(r.block_ids)} + {len(r.host_block_ids)} blocks")
         _check(len(seen) == len(self.requests), "tracked requests missing from the queues")
         _check(len(self.running) <= self.config.max_num_seqs, "more running requests than max_num_seqs")

@@ -24,6 +24,9 @@ class BenchRequest:
     prompt_ids: list[int] | None     # token ids (random workloads, or a tokenized dataset prompt)
     prompt_text: str | None          # the text, where there is one
     output_len: int                  # tokens to generate (EOS ignored)
+    # A later turn of a chat: the index of the request whose prompt + output this prompt continues (it is
+    # sent once that one finished); prompt_ids then holds only the new message.
+    follows: int | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -55,6 +58,38 @@ def random_token_requests(num: int, prompt_len_range: tuple[int, int], output_le
             for p, o in zip(prompt_lens, output_lens)]
 
 
+def shared_prefix_requests(num: int, shared_len: int, suffix_len_range: tuple[int, int],
+                           output_len_range: tuple[int, int], vocab_size: int, seed: int) -> list[BenchRequest]:
+    """Every prompt = one common `shared_len`-token "system prompt" + its own random suffix."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, vocab_size, size=shared_len).tolist()
+    return [BenchRequest(shared + r.prompt_ids, None, r.output_len)
+            for r in random_token_requests(num, suffix_len_range, output_len_range, vocab_size, seed + 1)]
+
+
+def multi_turn_requests(num_chats: int, turns: int, shared_len: int, message_len_range: tuple[int, int],
+                        output_len_range: tuple[int, int], vocab_size: int, seed: int) -> list[BenchRequest]:
+    """`num_chats` chats of `turns` turns over one shared system prompt: turn 0 is system prompt + a user
+    message; each later turn resends the whole history (previous prompt + its answer) + a new message.
+    Ordered turn by turn (all chats' first turns, then the second turns, ...)."""
+    first = shared_prefix_requests(num_chats, shared_len, message_len_range, output_len_range, vocab_size, seed)
+    later = random_token_requests(num_chats * (turns - 1), message_len_range, output_len_range, vocab_size, seed + 2)
+    requests = list(first)
+    for r in later:
+        r.follows = len(requests) - num_chats  # the same chat's previous turn
+        requests.append(r)
+    return requests
+
+
+def full_prompt_lens(requests: list[BenchRequest]) -> list[int]:
+    """Each request's prompt length as sent: a later chat turn carries its history (outputs at full length)."""
+    lens = []
+    for r in requests:
+        history = 0 if r.follows is None else lens[r.follows] + requests[r.follows].output_len
+        lens.append(history + r.prompt_len)
+    return lens
+
+
 def read_jsonl_prompts(path: str, num: int) -> list[dict]:
     """The first `num` records of a JSONL file of {"prompt": str, "output_len": int (optional)}."""
     records = []
@@ -83,7 +118,7 @@ def dataset_requests(records: list[dict], encode, output_len_range: tuple[int, i
 
 
 def workload_summary(requests: list[BenchRequest]) -> dict:
-    prompt_lens = [r.prompt_len for r in requests]
+    prompt_lens = full_prompt_lens(requests)
     output_lens = [r.output_len for r in requests]
     return {"num_requests": len(requests), "prompt_tokens": sum(prompt_lens), "output_tokens": sum(output_lens),
             "prompt_len": min_mean_max(prompt_lens), "output_len": min_mean_max(output_lens)}

@@ -5,6 +5,7 @@ Every backend runs the same seeded workload on the same checkpoint, greedy with 
 request generates exactly its output length:
 
   ferry          every request through LLMEngine's continuous batching at once.
+  ferry-nocache  the same with prefix caching off (--workload=shared_prefix or multi_turn: the gain).
   ferry-static   the same engine fed --static_batch requests at a time; the next batch starts only
                  when all of the previous one are done (request-level batching, no joins mid-batch).
   transformers   `model.generate` on left-padded batches of --static_batch prompts, max_new_tokens =
@@ -25,6 +26,16 @@ host share of step time (scheduler + packing + postprocessing; the rest is the j
 preemptions and the peak KV-cache usage (sampled after every step). The single-request row times one
 request (--single_prompt_len / --single_output_len) alone on ferry and transformers: time to the
 first token and ms per output token, from Ferry's first delta and a transformers streamer.
+
+Workloads (--workload): "random" prompts; "shared_prefix": every prompt opens with one
+--shared_prefix_len-token system prompt; "multi_turn": --num_prompts chats of --turns turns over that
+system prompt, each later turn sent when the previous one finished and resending its whole history (its
+prompt and answer) plus a new message (--prompt_len_range sets the messages). Ferry runs also report
+the time to first token of every request (from its submission: for offline runs mostly queueing),
+p50/p99, and the prefix-cache hit rate; each run starts from an empty prefix cache.
+
+    python scripts/benchmark_throughput.py --workload=shared_prefix --compare=ferry,ferry-nocache \
+        --num_prompts=64 --shared_prefix_len=1024 --prompt_len_range=16,64 --output_len_range=16,32
 
 A random Llama (--layers/--hidden/...) is saved with transformers' save_pretrained when the
 transformers backend is compared, and Ferry loads that same directory; otherwise Ferry builds it
@@ -50,7 +61,8 @@ from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.loading import FERRY_CONFIG, LoadedModel, load_model, random_model
 
-BACKENDS = ("ferry", "ferry-static", "transformers")
+BACKENDS = ("ferry", "ferry-nocache", "ferry-static", "transformers")
+WORKLOADS = ("random", "shared_prefix", "multi_turn")
 
 FLAGS = flags.FLAGS
 # workload
@@ -60,6 +72,10 @@ flags.DEFINE_string("output_len_range", "32,256", "output lengths: lo,hi (inclus
 flags.DEFINE_string("dataset", None, 'JSONL of {"prompt": str, "output_len": int (optional)}; '
                     "needs --model with a tokenizer")
 flags.DEFINE_integer("seed", 0, "workload and random-model seed")
+flags.DEFINE_enum("workload", "random", WORKLOADS, "random prompts, prompts over one shared system prompt, "
+                  "or multi-turn chats resending their history")
+flags.DEFINE_integer("shared_prefix_len", 1024, "shared_prefix / multi_turn: system prompt tokens")
+flags.DEFINE_integer("turns", 3, "multi_turn: turns per chat (--num_prompts chats)")
 # model
 flags.DEFINE_string("model", None, "checkpoint directory (Hugging Face or Ferry); default: a random Llama")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "model dtype (both backends)")
@@ -103,7 +119,7 @@ class Run:
 
 
 def run_metrics(run: Run, requests: list[bc.BenchRequest]) -> dict:
-    prompt_tokens = sum(r.prompt_len for r in requests)
+    prompt_tokens = sum(bc.full_prompt_lens(requests))
     output_tokens = sum(run.produced)
     complete = all(p == r.output_len for p, r in zip(run.produced, requests))
     return {"elapsed_s": run.elapsed_s, "requests": len(requests), "prompt_tokens": prompt_tokens,
@@ -130,31 +146,59 @@ class FerryBackend:
     def __init__(self, name: str, model: LoadedModel, config: EngineConfig, batch_size: int | None):
         self.name, self.batch_size = name, batch_size
         self.engine = LLMEngine(model, config)
+        self._submitted: dict[str, tuple[int, float]] = {}  # engine request id -> (request index, submit time)
 
     def warmup(self) -> float:
         return self.engine.warmup(sampling=False)  # greedy only: the sampler this workload uses
 
     def run(self, requests: list[bc.BenchRequest]) -> Run:
         engine = self.engine
-        batches = ([list(range(len(requests)))] if self.batch_size is None
+        if not engine.reset_prefix_cache():  # every run starts cold: no hits on the previous repeat's prompts
+            raise RuntimeError("prefix cache still in use between runs")
+        first_turns = [i for i, r in enumerate(requests) if r.follows is None]  # later turns: when answered
+        batches = ([first_turns] if self.batch_size is None
                    else static_batches(requests, self.batch_size, FLAGS.static_sort))
-        params = [greedy_params(r.output_len) for r in requests]
+        followers = {}
+        for i, r in enumerate(requests):
+            if r.follows is not None:
+                followers.setdefault(r.follows, []).append(i)
         before = self._counters()
-        produced, peak_kv = [0] * len(requests), 0.0
+        produced, peak_kv, ttft = [0] * len(requests), 0.0, [None] * len(requests)
+        histories: dict[int, list[int]] = {}  # request index -> its prompt + output so far, for the next turn
         t0 = time.perf_counter()
         for batch in batches:
-            index = {engine.add_request(None, requests[i].prompt_ids, params[i]): i for i in batch}
+            for i in batch:
+                self._submit(requests, i, histories)
             while engine.has_unfinished():
                 for delta in engine.step():
-                    produced[index[delta.request_id]] += sum(len(o.token_ids) for o in delta.outputs)
+                    i, submitted = self._submitted[delta.request_id]
+                    produced[i] += sum(len(o.token_ids) for o in delta.outputs)
+                    histories[i] += delta.outputs[0].token_ids
+                    if ttft[i] is None:
+                        ttft[i] = time.perf_counter() - submitted
+                    if delta.finished:
+                        del self._submitted[delta.request_id]
+                        for j in followers.get(i, []):  # the chat's next turn, now that its answer is in
+                            self._submit(requests, j, histories)
+                        histories.pop(i, None)
                 peak_kv = max(peak_kv, engine.scheduler.stats()["kv_usage"])
         elapsed = time.perf_counter() - t0
-        return Run(elapsed, produced, self._extras(before, self._counters(), peak_kv))
+        return Run(elapsed, produced, self._extras(before, self._counters(), peak_kv) | {
+            "ttft_ms_p50": 1e3 * bc.median(ttft), "ttft_ms_p99": 1e3 * bc.summarize(ttft)["p99"]})
+
+    def _submit(self, requests: list[bc.BenchRequest], i: int, histories: dict[int, list[int]]) -> None:
+        r = requests[i]
+        prompt = (histories[r.follows] if r.follows is not None else []) + r.prompt_ids
+        histories[i] = list(prompt)
+        rid = self.engine.add_request(None, prompt, greedy_params(r.output_len))
+        self._submitted[rid] = (i, time.perf_counter())
 
     def _counters(self) -> dict:
         engine = self.engine
+        stats = engine.scheduler.stats()
         return {**engine.step_times, **engine.runner.timings, "compiles": CompileCounter.count,
-                "preemptions": sum(engine.scheduler.stats()["preemptions"].values())}
+                "preemptions": sum(stats["preemptions"].values()), "prefix_cache_queries": stats["prefix_cache_queries"],
+                "prefix_cache_hits": stats["prefix_cache_hits"]}
 
     @staticmethod
     def _extras(before: dict, after: dict, peak_kv: float) -> dict:
@@ -162,6 +206,8 @@ class FerryBackend:
         step_s = d["schedule_s"] + d["execute_s"] + d["postprocess_s"]
         host_s = d["schedule_s"] + d["pack_s"] + d["postprocess_s"]  # the rest of execute is the jitted call
         return {"steps": d["steps"], "compiles": d["compiles"], "preemptions": d["preemptions"],
+                "prefix_cache_hits": d["prefix_cache_hits"],
+                "prefix_cache_hit_rate": d["prefix_cache_hits"] / max(d["prefix_cache_queries"], 1),
                 "peak_kv_usage": peak_kv, "step_ms_mean": 1e3 * step_s / max(d["steps"], 1),
                 "host_share": host_s / step_s if step_s else None,
                 "device_share": d["device_s"] / step_s if step_s else None}
@@ -310,8 +356,14 @@ def build_workload(model: LoadedModel) -> list[bc.BenchRequest]:
         tokenizer = load_tokenizer(model.path)
         return bc.dataset_requests(bc.read_jsonl_prompts(FLAGS.dataset, FLAGS.num_prompts), tokenizer.encode,
                                    output_range, FLAGS.seed)
-    return bc.random_token_requests(FLAGS.num_prompts, bc.parse_int_range(FLAGS.prompt_len_range), output_range,
-                                    model.cfg.vocab_size, FLAGS.seed)
+    prompt_range, vocab = bc.parse_int_range(FLAGS.prompt_len_range), model.cfg.vocab_size
+    if FLAGS.workload == "shared_prefix":
+        return bc.shared_prefix_requests(FLAGS.num_prompts, FLAGS.shared_prefix_len, prompt_range, output_range,
+                                         vocab, FLAGS.seed)
+    if FLAGS.workload == "multi_turn":
+        return bc.multi_turn_requests(FLAGS.num_prompts, FLAGS.turns, FLAGS.shared_prefix_len, prompt_range,
+                                      output_range, vocab, FLAGS.seed)
+    return bc.random_token_requests(FLAGS.num_prompts, prompt_range, output_range, vocab, FLAGS.seed)
 
 
 def single_request_prompt(vocab_size: int) -> list[int]:
@@ -319,7 +371,7 @@ def single_request_prompt(vocab_size: int) -> list[int]:
 
 
 def engine_config(requests: list[bc.BenchRequest]) -> EngineConfig:
-    longest = max(r.prompt_len + r.output_len for r in requests)
+    longest = max(p + r.output_len for p, r in zip(bc.full_prompt_lens(requests), requests))
     if FLAGS.single_request:
         longest = max(longest, FLAGS.single_prompt_len + FLAGS.single_output_len)
     return EngineConfig(block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks,
@@ -331,6 +383,8 @@ def engine_config(requests: list[bc.BenchRequest]) -> EngineConfig:
 def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: EngineConfig):
     if name == "ferry":
         return FerryBackend(name, model, config, batch_size=None)
+    if name == "ferry-nocache":
+        return FerryBackend(name, model, dataclasses.replace(config, enable_prefix_caching=False), batch_size=None)
     if name == "ferry-static":
         return FerryBackend(name, model, config, batch_size=FLAGS.static_batch)
     return TransformersBackend(hf_dir, FLAGS.dtype, FLAGS.torch_device, FLAGS.torch_threads or os.cpu_count())
@@ -400,12 +454,14 @@ def print_report(summary: dict, results: dict, ratios: dict, single: dict | None
           f"tokens; medians of {FLAGS.repeats} interleaved repeats")
     # compiles: all timed runs together (0 = every shape was warmed up); host %: scheduler + packing +
     # postprocessing, of step time (the rest is the jitted call); preempt: median per run.
-    headers = ["backend", "req/s", "out tok/s", "total tok/s", "time s", "warm-up s", "compiles", "host %",
-               "preempt", "peak KV %"]
+    # TTFT: from each request's submission (offline: mostly queueing); hit %: prefix-cache hits / queries.
+    headers = ["backend", "req/s", "out tok/s", "total tok/s", "time s", "TTFT p50 ms", "TTFT p99 ms", "hit %",
+               "warm-up s", "compiles", "host %", "preempt", "peak KV %"]
     rows = []
     for name, r in results.items():
         m = r["median"]
         rows.append([name, m["requests_per_s"], m["output_tokens_per_s"], m["total_tokens_per_s"], m["elapsed_s"],
+                     m.get("ttft_ms_p50"), m.get("ttft_ms_p99"), percent(m.get("prefix_cache_hit_rate")),
                      r["warmup_s"], r.get("compiles_after_warmup"), percent(m.get("host_share")), m.get("preemptions"),
                      percent(m.get("peak_kv_usage"))])
     print(bc.format_table(headers, rows))
@@ -428,6 +484,8 @@ def main(argv):
     unknown = set(names) - set(BACKENDS)
     if unknown or len(set(names)) != len(names):
         raise app.UsageError(f"--compare takes distinct names from {BACKENDS}, got {names}")
+    if FLAGS.workload == "multi_turn" and set(names) - {"ferry", "ferry-nocache"}:
+        raise app.UsageError("--workload=multi_turn runs only the ferry and ferry-nocache backends")
     if "ferry-static" in names and FLAGS.static_batch > FLAGS.max_num_seqs:
         logging.warning("--static_batch=%d > --max_num_seqs=%d: ferry-static runs each batch in waves",
                         FLAGS.static_batch, FLAGS.max_num_seqs)

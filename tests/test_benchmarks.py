@@ -90,8 +90,8 @@ def _start(script: str, **flags) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env=ENV)
 
 
-def _finish(proc: subprocess.Popen, what: str) -> str:
-    output, _ = proc.communicate(timeout=300)
+def _finish(proc: subprocess.Popen, what: str, timeout_s: int = 300) -> str:
+    output, _ = proc.communicate(timeout=timeout_s)
     assert proc.returncode == 0, f"{what} failed:\n{output[-5000:]}"
     return output
 
@@ -197,3 +197,24 @@ def test_plots(results):
         png = out_dir / name
         assert png.exists() and png.stat().st_size > 1000, name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_throughput_prefix_workloads_cache_on_and_off(tmp_path):
+    """The multi-turn chat workload (over a shared system prompt), prefix caching on and off in one run:
+    both complete every request with no compilation after warm-up; only the cached one hits."""
+    path = tmp_path / "multi_turn.json"
+    flags = {k: v for k, v in TINY_THROUGHPUT.items() if k not in ("compare", "static_batch", "torch_threads")}
+    output = _finish(_start("benchmark_throughput.py", **(flags | dict(
+        workload="multi_turn", turns=2, shared_prefix_len=32, compare="ferry,ferry-nocache", max_num_seqs=2,
+        max_num_batched_tokens=32, single_request=False)), json_out=path), "multi_turn", timeout_s=900)
+    assert "TTFT p99 ms" in output and "hit %" in output
+    result = json.loads(path.read_text())
+    assert result["workload"]["num_requests"] == 12
+    for name in ("ferry", "ferry-nocache"):
+        r = result["results"][name]
+        assert r["all_outputs_complete"] and r["compiles_after_warmup"] == 0, name
+        assert 0 < r["median"]["ttft_ms_p50"] <= r["median"]["ttft_ms_p99"], name
+    assert result["results"]["ferry"]["median"]["prefix_cache_hit_rate"] > 0.25
+    assert result["results"]["ferry-nocache"]["median"]["prefix_cache_hit_rate"] == 0
+    # second turns resend their history: longer than any first turn (system prompt + a 4..16-token message)
+    assert result["workload"]["prompt_len"]["max"] > 32 + 16

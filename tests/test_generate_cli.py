@@ -196,11 +196,11 @@ def test_every_engine_and_sampling_field_has_a_flag(parsed_flags):
     parsed_flags("--block_size=4", "--num_blocks=33", "--memory_fraction=0.25", "--max_num_seqs=3",
                  "--max_num_batched_tokens=64", "--max_model_len=100", "--chunk_size=16", "--watermark_blocks=1",
                  "--preemption_mode=recompute", "--num_host_blocks=5", "--kv_dtype=bfloat16",
-                 "--attention_impl=reference", "--dtype=float32", "--engine_seed=9")
+                 "--attention_impl=reference", "--dtype=float32", "--engine_seed=9", "--noenable_prefix_caching")
     assert cli_flags.engine_config_from_flags() == EngineConfig(
         block_size=4, num_blocks=33, memory_fraction=0.25, max_num_seqs=3, max_num_batched_tokens=64,
         max_model_len=100, chunk_size=16, watermark_blocks=1, preemption_mode="recompute", num_host_blocks=5,
-        kv_dtype="bfloat16", attention_impl="reference", dtype="float32", seed=9)
+        kv_dtype="bfloat16", attention_impl="reference", dtype="float32", seed=9, enable_prefix_caching=False)
     parsed_flags("--n=2", "--temperature=0.5", "--top_p=0.9", "--top_k=7", "--min_p=0.1", "--seed=3",
                  "--presence_penalty=0.5", "--frequency_penalty=-0.5", "--repetition_penalty=1.2",
                  r"--stop=\n", "--stop=end", "--stop_token_ids=5", "--stop_token_ids=6", "--ignore_eos",

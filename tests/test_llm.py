@@ -81,7 +81,7 @@ def test_logprobs_match_reference_log_softmax(llama):
 
 def test_n_samples_share_the_prompt_and_match_single_runs(llama):
     """n=3 with seed s gives samples seeded s, s+1, s+2: each equals that seed run alone, though samples
-    1 and 2 were forked off sample 0's cached prompt blocks."""
+    1 and 2 shared sample 0's full prompt blocks (prefix-cache hits)."""
     seed, _, loaded = llama
     prompt = np.random.default_rng(seed).integers(3, 384, size=37).tolist()
     base = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
@@ -91,7 +91,7 @@ def test_n_samples_share_the_prompt_and_match_single_runs(llama):
     shared = 0
     while engine.has_unfinished():
         engine.step()
-        refs = [engine.scheduler.block_pool.ref_count(b) for b in range(1, engine.scheduler.block_pool.num_total + 1)]
+        refs = [engine.scheduler.kv.device_pool.ref_count(b) for b in range(1, engine.scheduler.kv.device_pool.num_total + 1)]
         shared = max(shared, max(refs))
     assert shared == 3, "the three samples should hold the same full prompt blocks"
     singles = [llm.generate([prompt], SamplingParams(seed=7 + i, **base), use_tqdm=False)[0].outputs[0].token_ids
@@ -157,7 +157,7 @@ def test_bad_input_fails_at_submission_naming_the_field(llama):
         engine.add_request(None, [5, 10_000], SamplingParams())
     with pytest.raises(SamplingParamsError, match="empty"):
         engine.add_request(None, [], SamplingParams())
-    assert not engine.has_unfinished() and engine.scheduler.block_pool.num_used == 0
+    assert not engine.has_unfinished() and engine.scheduler.kv.device_pool.num_used == 0
 
 
 def test_min_tokens_bans_stop_tokens_until_reached(llama):
@@ -198,3 +198,39 @@ def test_repetition_penalty_matches_transformers(llama):
         plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                              use_tqdm=False)[0].outputs[0].token_ids
         assert plain != out.outputs[0].token_ids, "the penalty should change this greedy continuation"
+
+
+def test_cache_salt_and_reset_prefix_cache(llama):
+    """Requests share cached prompt blocks only under equal salts; reset_prefix_cache is refused while a
+    running request holds cached blocks and empties the cache once none does. Outputs never change."""
+    seed, _, loaded = llama
+    prompt = np.random.default_rng(seed).integers(3, 384, size=41).tolist()  # 5 full blocks of 8
+    engine = LLMEngine(loaded, EngineConfig(**CONFIG))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = {}
+
+    def run(rid, salt=None):
+        engine.add_request(rid, prompt, params, cache_salt=salt)
+        while engine.has_unfinished():
+            for delta in engine.step():
+                outputs.setdefault(rid, []).extend(delta.outputs[0].token_ids)
+        return engine.scheduler.stats()["prefix_cache_hits"]
+
+    assert run("a", salt="alice") == 0
+    assert run("b") == 0                   # no salt: another namespace
+    assert run("c", salt="bob") == 0
+    assert run("d", salt="alice") == 40    # alice's 5 blocks
+    assert run("e") == 80                  # and the unsalted ones
+    engine.add_request("f", prompt, params)
+    engine.step()                          # f holds cached blocks now
+    assert engine.reset_prefix_cache() is False and engine.scheduler.stats()["prefix_cache_blocks"] > 0
+    while engine.has_unfinished():
+        engine.step()
+    engine.scheduler.schedule()            # reap f
+    assert engine.reset_prefix_cache() is True and engine.scheduler.stats()["prefix_cache_blocks"] == 0
+    hits = run("g")
+    assert hits == 120                     # f hit 40; g found nothing after the reset
+    assert len({tuple(t) for t in outputs.values()}) == 1
+    with pytest.raises(SamplingParamsError, match="cache_salt must be a string") as error:
+        engine.add_request("bad", prompt, params, cache_salt=7)
+    assert error.value.field == "cache_salt" and not engine.has_unfinished()

@@ -1,6 +1,6 @@
 """Scheduler tests against a fake runner: a deterministic "model" and a fake paged KV store that checks
-every read, so a block handed to two requests, a swap that lost data or a recompute that skipped tokens
-shows up as a failed read or a changed output."""
+every read, so a block handed to two requests, a swap that lost data, a recompute that skipped tokens or a
+prefix-cache hit on the wrong content shows up as a failed read or a changed output."""
 
 import collections
 import random
@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, cdiv
 
@@ -22,8 +23,19 @@ def fake_model(tokens: list[int]) -> int:
     return hash(tuple(tokens)) % VOCAB
 
 
+def context_keys(tokens: list[int]) -> list[int]:
+    """What a real K/V slot depends on: its token and everything before it (a chained hash per position)."""
+    keys, key = [], 0
+    for token in tokens:
+        key = hash((key, token))
+        keys.append(key)
+    return keys
+
+
 class FakeRunner:
-    """Executes a StepPlan on a dict "KV cache": slot (block, offset) -> (request_id, token)."""
+    """Executes a StepPlan on a dict "KV cache": slot (block, offset) -> (context key, token). A slot is
+    right for a request iff it holds the key of that request's own tokens up to that position, whoever
+    wrote it: that is exactly when a real model's K/V there could be reused."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -35,28 +47,33 @@ class FakeRunner:
         assert block != 0, f"{request.request_id} reads/writes the null block"
         return block, position % self.block_size
 
-    def _write(self, request: Request, position: int, token: int) -> None:
+    def _write(self, request: Request, position: int, keys: list[int]) -> None:
         block, offset = self._slot(request, position)
-        self.device.setdefault(block, [None] * self.block_size)[offset] = (request.request_id, token)
+        entry = (keys[position], request.all_token_ids[position])
+        self.device.setdefault(block, [None] * self.block_size)[offset] = entry
 
-    def _read_context(self, request: Request, n: int) -> list[int]:
-        """The request's first n tokens as read back from the cache; each slot must hold exactly its token."""
+    def _read_context(self, request: Request, n: int, keys: list[int]) -> list[int]:
+        """The request's first n tokens as read back from the cache; each slot must hold exactly its
+        token in its context."""
         expected = request.all_token_ids
         tokens = []
         for position in range(n):
             block, offset = self._slot(request, position)
             entry = self.device.get(block, [None] * self.block_size)[offset]
-            assert entry == (request.request_id, expected[position]), (
+            assert entry == (keys[position], expected[position]), (
                 f"{request.request_id} position {position}: cache holds {entry}")
             tokens.append(entry[1])
         return tokens
+
+    def block_content(self, block: int) -> list | None:
+        return self.device.get(block)
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         for device_ids, host_ids in plan.swap_out:  # first, as the contract says
             assert len(device_ids) == len(host_ids)
             for d, h in zip(device_ids, host_ids):
+                # The device copy stays: a freed block keeps its K/V until reused (a cached one may be hit).
                 self.host[h] = list(self.device.get(d, [None] * self.block_size))
-                self.device[d] = ["swapped-out"] * self.block_size  # freed: poison, a later read must not trust it
         for host_ids, device_ids in plan.swap_in:
             assert len(device_ids) == len(host_ids)
             for h, d in zip(host_ids, device_ids):
@@ -65,16 +82,18 @@ class FakeRunner:
         sampled = {}
         for chunk in plan.prefills:
             r = chunk.request
-            context = self._read_context(r, chunk.start)
+            keys = context_keys(r.all_token_ids)
+            context = self._read_context(r, chunk.start, keys)
             new = r.all_token_ids[chunk.start:chunk.start + chunk.length]
-            for i, token in enumerate(new):
-                self._write(r, chunk.start + i, token)
+            for i in range(len(new)):
+                self._write(r, chunk.start + i, keys)
             if chunk.samples:
                 sampled[r.request_id] = fake_model(context + new)
         for r in plan.decodes:
             position = r.num_tokens - 1
-            context = self._read_context(r, position)
-            self._write(r, position, r.all_token_ids[-1])
+            keys = context_keys(r.all_token_ids)
+            context = self._read_context(r, position, keys)
+            self._write(r, position, keys)
             sampled[r.request_id] = fake_model(context + [r.all_token_ids[-1]])
         return sampled
 
@@ -87,11 +106,17 @@ class Spec:
     max_tokens: int
     priority: int = 0
     eos: tuple[int, ...] = ()
+    shared: int = 0            # the prompt's first `shared` tokens are group `group`'s common prefix
+    group: int = 0
+    salt: str | None = None
 
     def build(self) -> Request:
         rng = random.Random(self.rid)
-        prompt = [rng.randrange(VOCAB) for _ in range(self.prompt_len)]
-        return Request(self.rid, prompt, self.max_tokens, priority=self.priority, eos_token_ids=self.eos)
+        prefix = random.Random(f"prefix {self.group}")
+        prompt = ([prefix.randrange(VOCAB) for _ in range(min(self.shared, self.prompt_len))]
+                  + [rng.randrange(VOCAB) for _ in range(max(self.prompt_len - self.shared, 0))])
+        return Request(self.rid, prompt, self.max_tokens, priority=self.priority, eos_token_ids=self.eos,
+                       cache_salt=self.salt)
 
 
 def reference(spec: Spec, max_model_len: int) -> tuple[list[int], str]:
@@ -128,8 +153,26 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
     for r in plan.preempted:
         assert r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 and not r.block_ids
     # Pools are consistent mid-step too (running requests hold this step's decode slots already).
-    sched.block_pool.check_invariants({r.request_id: r.block_ids for r in sched.running})
-    sched.host_pool.check_invariants({r.request_id: r.host_block_ids for r in sched.swapped})
+    sched.kv.check_invariants(sched.running + sched.swapped)
+
+
+def check_cache_contents(sched: Scheduler, runner: FakeRunner, seen: dict[bytes, list]) -> None:
+    """The hash table agrees with what the blocks hold: a cached block held by a request holds exactly that
+    request's tokens (in their context) at its position, and every cached block, held or free, holds what
+    it held when its hash was first seen (`seen`: hash -> block content, kept across steps)."""
+    pool, size = sched.kv.device_pool, sched.config.block_size
+    for r in sched.running + sched.swapped:
+        keys, tokens = context_keys(r.all_token_ids), r.all_token_ids
+        for i, block in enumerate(r.block_ids):
+            block_hash = pool.block_hash(block)
+            if block_hash is not None:
+                span = range(i * size, (i + 1) * size)
+                assert runner.block_content(block) == [(keys[p], tokens[p]) for p in span], (
+                    f"{r.request_id}: cached block {block} at position {i} holds other K/V")
+                seen.setdefault(block_hash, list(runner.block_content(block)))
+    for block_hash, block in pool._cached.items():
+        assert pool.block_hash(block) == block_hash
+        assert runner.block_content(block) == seen[block_hash], f"cached block {block} changed content"
 
 
 @dataclass
@@ -148,7 +191,7 @@ def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]]
         max_steps: int = 5000) -> Run:
     """Drive scheduler + fake runner to completion, checking the plan and all invariants every step."""
     sched, runner, aborts = Scheduler(config), FakeRunner(config.block_size), aborts or {}
-    requests, rejected, plans = {}, [], []
+    requests, rejected, plans, cache_seen = {}, [], [], {}
     first_scheduled, finished_at, chunks = {}, {}, []
     last_arrival = max((s.arrival_step for s in specs), default=0)
     step = 0
@@ -179,12 +222,13 @@ def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]]
         for r in sched.postprocess(plan, sampled):
             finished_at[r.request_id] = step
         sched.check_invariants()
+        check_cache_contents(sched, runner, cache_seen)
         step += 1
     # Everything is free at the end, on the device and on the host.
-    assert sched.block_pool.num_free == sched.block_pool.num_total
-    assert sched.host_pool.num_free == sched.host_pool.num_total
-    sched.block_pool.check_invariants({})
-    sched.host_pool.check_invariants({})
+    assert sched.kv.device_pool.num_free == sched.kv.device_pool.num_total
+    assert sched.kv.host_pool.num_free == sched.kv.host_pool.num_total
+    sched.kv.device_pool.check_invariants({})
+    sched.kv.host_pool.check_invariants({})
     outputs = {rid: (r.output_token_ids, r.finish_reason) for rid, r in requests.items()}
     return Run(sched, outputs, first_scheduled, finished_at, rejected, plans, chunks, step)
 
@@ -290,7 +334,7 @@ def test_abort_in_every_state_frees_blocks_at_once():
     advance(sched, runner, 1)
     assert prefilling.status is RequestStatus.RUNNING and prefilling.in_prefill and prefilling.block_ids
     sched.abort("prefilling")
-    assert sched.block_pool.num_free == sched.block_pool.num_total
+    assert sched.kv.device_pool.num_free == sched.kv.device_pool.num_total
     sched.check_invariants()
 
     decoding = Spec("decoding", 0, 4, 10).build()
@@ -298,7 +342,7 @@ def test_abort_in_every_state_frees_blocks_at_once():
     advance(sched, runner, 2)
     assert decoding.status is RequestStatus.RUNNING and not decoding.in_prefill and decoding.output_token_ids
     sched.abort("decoding")
-    assert sched.block_pool.num_free == sched.block_pool.num_total
+    assert sched.kv.device_pool.num_free == sched.kv.device_pool.num_total
     sched.check_invariants()
 
     # Swapped: a more important arrival swaps out the least important running request.
@@ -307,12 +351,12 @@ def test_abort_in_every_state_frees_blocks_at_once():
     assert swapped.status is RequestStatus.SWAPPED and swapped.host_block_ids
     host_block_ids = list(swapped.host_block_ids)
     assert sched.abort("c") is swapped
-    assert sched.host_pool.num_free == sched.host_pool.num_total
+    assert sched.kv.host_pool.num_free == sched.kv.host_pool.num_total
     assert swapped.host_block_ids == host_block_ids  # kept: the engine drops the runner's host copies
     sched.check_invariants()
     advance(sched, runner, 100)
     assert not sched.has_unfinished()
-    assert sched.block_pool.num_free == sched.block_pool.num_total
+    assert sched.kv.device_pool.num_free == sched.kv.device_pool.num_total
 
 
 def test_abort_between_schedule_and_postprocess():
@@ -322,7 +366,7 @@ def test_abort_between_schedule_and_postprocess():
         sched.add(spec.build())
     plan = sched.schedule()
     aborted = sched.abort("a")
-    assert sched.block_pool.num_free == sched.block_pool.num_total - 2
+    assert sched.kv.device_pool.num_free == sched.kv.device_pool.num_total - 2
     sampled = runner.execute(plan)  # the in-flight plan still runs "a" harmlessly: its blocks are unreused
     sched.postprocess(plan, sampled)
     assert aborted.output_token_ids == [] and aborted.finish_reason == "abort"
@@ -473,7 +517,7 @@ def test_high_priority_arrival_preempts_least_important_latest_running(mode):
     assert not sched.has_unfinished()
     for spec, request in requests.values():
         assert (request.output_token_ids, request.finish_reason) == reference(spec, 128)
-    assert sched.block_pool.num_free == 16 and sched.host_pool.num_free == 40
+    assert sched.kv.device_pool.num_free == 16 and sched.kv.host_pool.num_free == 40
 
 
 def test_equal_or_lower_priority_arrival_waits_instead_of_preempting():
@@ -529,7 +573,7 @@ def test_host_blocks_of_a_swap_in_are_not_reused_by_a_same_step_swap_out():
     advance(sched, runner, 3)
     sched.add(y)
     advance(sched, runner, 4)  # h's decode blocks evict x to the host, filling it
-    assert x.status is RequestStatus.SWAPPED and sched.host_pool.num_free == 0 and y.status is RequestStatus.RUNNING
+    assert x.status is RequestStatus.SWAPPED and sched.kv.host_pool.num_free == 0 and y.status is RequestStatus.RUNNING
     x.priority = 1  # as important as w, which arrives later: x swaps in first
     sched.add(w)
     advance(sched, runner, 1)  # h finishes
@@ -541,7 +585,7 @@ def test_host_blocks_of_a_swap_in_are_not_reused_by_a_same_step_swap_out():
     sched.postprocess(plan, runner.execute(plan))
     sched.check_invariants()
     advance(sched, runner, 100)
-    assert not sched.has_unfinished() and sched.host_pool.num_free == 3
+    assert not sched.has_unfinished() and sched.kv.host_pool.num_free == 3
     for spec, request in zip(specs, (x, h, y, w)):
         assert (request.output_token_ids, request.finish_reason) == reference(spec, 128)
 
@@ -572,12 +616,16 @@ def make_workload(integer, choice):
         num_blocks=integer(4, 32), block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=integer(max_num_seqs, 48), max_model_len=integer(8, 96),
         chunk_size=choice([None, 1, 3, 8, 16]), watermark_blocks=integer(0, 2),
-        preemption_mode=choice(["swap", "recompute"]), num_host_blocks=integer(0, 30))
+        preemption_mode=choice(["swap", "recompute"]), num_host_blocks=integer(0, 30),
+        enable_prefix_caching=choice([True, True, False]))
     fits = min(cfg.max_model_len, (cfg.num_blocks - 1) * block_size)
     specs = []
     for i in range(integer(1, 12)):
         prompt_len = integer(1, cfg.max_model_len + 8) if integer(0, 4) == 0 else integer(1, max(1, fits * 2 // 3))
-        specs.append(Spec(f"r{i}", integer(0, 12), prompt_len, integer(1, 24), integer(0, 2), choice([(), (3,)])))
+        # Most prompts open with one of two common prefixes (a system prompt), some under a salt.
+        shared = integer(0, prompt_len) if integer(0, 3) else 0
+        specs.append(Spec(f"r{i}", integer(0, 12), prompt_len, integer(1, 24), integer(0, 2), choice([(), (3,)]),
+                          shared=shared, group=integer(0, 1), salt=choice([None, None, "tenant"])))
     aborts = {}
     for _ in range(integer(0, 5)):
         aborts.setdefault(integer(0, 40), []).append(choice(specs).rid)
@@ -622,7 +670,18 @@ def test_seeded_random_workloads_cover_every_path(monkeypatch):
                              else r.status.name.lower())] += 1
         return original_abort(self, request_id)
 
+    original_swap_out = KVCacheManager.swap_out
+
+    def counting_swap_out(self, request):
+        swap = original_swap_out(self, request)
+        if swap is not None and request.block_ids:
+            seen["swap keeping a shared head"] += 1
+        if swap is not None and not swap[0]:
+            seen["swap of shared blocks only"] += 1
+        return swap
+
     monkeypatch.setattr(Scheduler, "abort", counting_abort)
+    monkeypatch.setattr(KVCacheManager, "swap_out", counting_swap_out)
     for seed in range(300):
         rng = random.Random(seed)
         result = check_random_workload(*make_workload(rng.randint, rng.choice))
@@ -630,6 +689,7 @@ def test_seeded_random_workloads_cover_every_path(monkeypatch):
         seen["recompute"] += result.sched.num_preemptions["recompute"]
         seen["swap fallback"] += result.sched.num_swap_fallbacks
         seen["over-commit"] += sum(len(dict(p.trace)["admit"]["pending"]) for p in result.plans)
+        seen["prefix hit"] += result.sched.stats()["prefix_cache_hits"]
     for path in ("swap", "recompute", "swap fallback", "over-commit", "abort waiting", "abort mid-prefill",
-                 "abort running", "abort swapped"):
+                 "abort running", "abort swapped", "prefix hit", "swap keeping a shared head"):
         assert seen[path] > 0, f"no {path} in the sweep: {dict(seen)}"
