@@ -3,9 +3,9 @@
     python -m engine.serve --model=DIR [--host=127.0.0.1 --port=8000 --api_key=KEY --max_waiting=256]
 
 Every EngineConfig field is a flag (engine/cli_flags.py; EngineConfig.seed is --engine_seed). Server flags:
---host, --port, --served_model_name, --api_key (default $FERRY_API_KEY), --max_waiting, --warmup and
---log_interval_s. Once listening it prints the URL and a curl line to try. Bad flags or values exit with
-status 2.
+--host, --port, --served_model_name, --api_key (default $FERRY_API_KEY), --max_waiting and
+--log_interval_s; the engine flag --warmup defaults to full here. Once listening it prints the URL and a
+curl line to try. Bad flags or values exit with status 2.
 """
 
 import json
@@ -32,7 +32,7 @@ flags.DEFINE_string("api_key", None, "require `Authorization: Bearer <key>` on e
                     "/metrics; unset: $FERRY_API_KEY if set, else no authentication")
 flags.DEFINE_integer("max_waiting", None, "most requests admitted but not yet generating; past it 503 with "
                      "Retry-After; unset: unbounded", lower_bound=1)
-flags.DEFINE_boolean("warmup", True, "compile every step shape before serving, so no request waits on a compile")
+FLAGS.set_default("warmup", "full")  # a server compiles before it listens, so no request waits on a compile
 flags.DEFINE_float("log_interval_s", 5.0, "seconds between throughput log lines", lower_bound=0.1)
 
 log = logging.getLogger("ferry.serve")
@@ -83,9 +83,6 @@ def run(argv: list[str]):
         cli_flags.exit_usage_error(str(e))
     log.info("engine ready: max_model_len=%d, %d KV blocks of %d tokens", engine.max_model_len,
                 engine.scheduler.block_pool.num_total, engine.config.block_size)
-    if FLAGS.warmup:
-        log.info("warm-up: compiling every step shape (--nowarmup skips it)")
-        engine.warmup(sampling=True)
     config = server_config_from_flags(model_dir)
     uvicorn_config = uvicorn.Config(build_app(engine, config), host=FLAGS.host, port=FLAGS.port, log_level="info",
                                     timeout_graceful_shutdown=5)
