@@ -281,10 +281,12 @@ class ModelRunner:
         later = [(layout, "full") for layout in layouts] if sampling else []
         if not background:
             now, later = now + later, []
-        self._compile_steps(now, threads=os.cpu_count() or 1, progress=True)
+        # Shapes only: the background thread must not touch the cache, which steps donate meanwhile.
+        cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_cache)
+        self._compile_steps(now, cache, threads=os.cpu_count() or 1, progress=True)
         self._warm_swaps()
         if later:
-            self._background = threading.Thread(target=self._compile_steps, args=(later, 1, False),
+            self._background = threading.Thread(target=self._compile_steps, args=(later, cache, 1, False),
                                                 name="ferry-warmup", daemon=True)
             self._background.start()
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
@@ -301,10 +303,10 @@ class ModelRunner:
             self._background.join()
             self._background = None
 
-    def _compile_steps(self, programs, threads: int, progress: bool):
-        """Compile sample_step for each (layout, sampler mode), on `threads` threads."""
+    def _compile_steps(self, programs, cache, threads: int, progress: bool):
+        """Compile sample_step for each (layout, sampler mode) against `cache` (ShapeDtypeStructs),
+        on `threads` threads."""
         m = self.model
-        cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_cache)
 
         def compile_one(program):
             layout, mode = program

@@ -34,6 +34,8 @@ flags.DEFINE_integer("heads", 8, "random model: attention heads")
 flags.DEFINE_integer("kv_heads", 4, "random model: key/value heads")
 flags.DEFINE_integer("vocab", 4096, "random model: vocabulary size")
 flags.DEFINE_integer("max_model_len", 512, "engine max_model_len of the random models")
+flags.DEFINE_integer("max_num_seqs", 64, "EngineConfig.max_num_seqs of the random models")
+flags.DEFINE_integer("max_num_batched_tokens", 512, "EngineConfig.max_num_batched_tokens of the random models")
 flags.DEFINE_integer("num_blocks", 256, "KV blocks of the random models (the compiled shapes do not depend on it)")
 flags.DEFINE_string("serve_model", None, "also time `engine.serve` on this model directory to /health 200")
 flags.DEFINE_list("serve_flags", [], "extra engine.serve flags, e.g. --warmup=lazy")
@@ -56,8 +58,9 @@ def warm_one(layers: int) -> dict:
                       num_kv_heads=FLAGS.kv_heads, head_dim=FLAGS.hidden // FLAGS.heads,
                       max_position_embeddings=FLAGS.max_model_len)
     t0 = time.perf_counter()
-    engine = LLMEngine(random_model(cfg), EngineConfig(num_blocks=FLAGS.num_blocks,
-                                                       max_model_len=FLAGS.max_model_len))
+    engine = LLMEngine(random_model(cfg), EngineConfig(
+        num_blocks=FLAGS.num_blocks, max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens))
     build_s = time.perf_counter() - t0
     counter = CompileCounter.install()
     before = counter.count
@@ -73,7 +76,7 @@ def time_warmups() -> list[dict]:
     for layers in FLAGS.layers:
         cmd = [sys.executable, os.path.abspath(__file__), f"--child_layers={layers}"] + [
             f"--{name}={FLAGS[name].value}" for name in ("hidden", "heads", "kv_heads", "vocab", "max_model_len",
-                                                          "num_blocks")]
+                                                          "max_num_seqs", "max_num_batched_tokens", "num_blocks")]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
         print(f"warm-up, {layers} layers: {results[-1]}", flush=True)
@@ -85,18 +88,19 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def time_to_ready(cache_dir: str) -> tuple[float, float]:
+def time_to_ready(cache_dir: str, log_path: str) -> tuple[float, float]:
     """Seconds from launching engine.serve to /health answering 200, and the CPU seconds the server
-    used (up to its exit, right after)."""
+    used (up to its exit, right after). Its log goes to `log_path`."""
     env = dict(os.environ, FERRY_COMPILATION_CACHE=cache_dir)
     cmd = [sys.executable, "-m", "engine.serve", f"--model={FLAGS.serve_model}", f"--port={FLAGS.port}",
            *FLAGS.serve_flags]
     t0, cpu0 = time.perf_counter(), _children_cpu_s()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         while time.perf_counter() - t0 < FLAGS.serve_timeout_s:
             if proc.poll() is not None:
-                raise RuntimeError(f"engine.serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"engine.serve exited with {proc.returncode}: {open(log_path).read()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{FLAGS.port}/health", timeout=1) as r:
                     if r.status == 200:
@@ -113,14 +117,20 @@ def time_to_ready(cache_dir: str) -> tuple[float, float]:
             proc.wait(timeout=30)
 
 
+def startup_lines(log_path: str) -> list[str]:
+    """The server's own account of its start-up (the engine's "start-up took ..." line), if it logs one."""
+    return [line.strip() for line in open(log_path) if "start-up took" in line]
+
+
 def time_serve() -> dict:
+    out = {"model": FLAGS.serve_model, "flags": FLAGS.serve_flags}
     with tempfile.TemporaryDirectory(prefix="ferry_startup_cache_") as cache_dir:
-        cold, cold_cpu = time_to_ready(cache_dir)
-        print(f"serve {FLAGS.serve_model}: cold {cold:.1f} s ({cold_cpu:.1f} CPU s)", flush=True)
-        warm, warm_cpu = time_to_ready(cache_dir)
-        print(f"serve {FLAGS.serve_model}: warm {warm:.1f} s ({warm_cpu:.1f} CPU s)", flush=True)
-    return {"model": FLAGS.serve_model, "flags": FLAGS.serve_flags, "cold_s": cold, "warm_s": warm,
-            "cold_cpu_s": cold_cpu, "warm_cpu_s": warm_cpu}
+        for run in ("cold", "warm"):  # the cold start fills the cache the warm one reads
+            log_path = os.path.join(cache_dir, f"serve_{run}.log")
+            wall, cpu = time_to_ready(cache_dir, log_path)
+            out.update({f"{run}_s": wall, f"{run}_cpu_s": cpu, f"{run}_log": startup_lines(log_path)})
+            print(f"serve {FLAGS.serve_model}: {run} {wall:.1f} s ({cpu:.1f} CPU s) {out[f'{run}_log']}", flush=True)
+    return out
 
 
 def main(argv):
