@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from absl import flags, logging
 
 import models  # its package directory holds the embedded model's directory
-from engine.engine import EngineConfig
+from engine.engine import WARMUP_MODES, EngineConfig
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pallas_kernels.attention import IMPLS as ATTENTION_IMPLS
 
@@ -36,6 +36,7 @@ _ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}
 
 # EngineConfig field -> flag name, where they differ.
 _ENGINE_FLAG_NAMES = {"seed": "engine_seed"}
+_WARMUP_ALIASES = {"--warmup": "--warmup=full", "--nowarmup": "--warmup=none"}
 
 _defined: set[str] = set()
 
@@ -71,9 +72,12 @@ def define_engine_flags():
     d = EngineConfig()
     flags.DEFINE_integer("block_size", d.block_size, "tokens per KV-cache block", lower_bound=1)
     flags.DEFINE_integer("num_blocks", d.num_blocks, "KV blocks incl. the null block; unset: sized from "
-                         "--memory_fraction", lower_bound=2)
-    flags.DEFINE_float("memory_fraction", d.memory_fraction, "share of free device memory (host RAM on CPU) "
-                       "for the KV cache when --num_blocks is unset", lower_bound=0.0, upper_bound=1.0)
+                         "--memory_fraction (accelerators) or --cpu_kv_cache_gib (CPU)", lower_bound=2)
+    flags.DEFINE_float("memory_fraction", d.memory_fraction, "share of free accelerator memory for the KV "
+                       "cache when --num_blocks is unset", lower_bound=0.0, upper_bound=1.0)
+    flags.DEFINE_float("cpu_kv_cache_gib", d.cpu_kv_cache_gib, "KV-cache budget on CPU in GiB when --num_blocks "
+                       "is unset (capped by what --max_num_seqs sequences of --max_model_len can use)",
+                       lower_bound=1e-6)
     flags.DEFINE_integer("max_num_seqs", d.max_num_seqs, "most sequences decoded per step", lower_bound=1)
     flags.DEFINE_integer("max_num_batched_tokens", d.max_num_batched_tokens,
                          "most tokens per step (decodes + prefill chunks)", lower_bound=1)
@@ -96,6 +100,9 @@ def define_engine_flags():
                          "blocks another request already computed (--noenable_prefix_caching: off)")
     flags.DEFINE_integer("engine_seed", d.seed, "draws the sampling seed of every request that sets none "
                          "(EngineConfig.seed)")
+    flags.DEFINE_enum("warmup", d.warmup, WARMUP_MODES, "compile step shapes at start-up: full (all, before "
+                      "serving), lazy (greedy ones first, the sampling ones in the background), none (each on "
+                      "first use); --nowarmup is --warmup=none")
 
 
 def define_sampling_flags():
@@ -199,7 +206,9 @@ def _is_model_dir(path: str) -> bool:
 # ------------------------------------------------------------------ errors
 
 def parse_flags_or_exit(argv: list[str]) -> list[str]:
-    """`app.run(main, flags_parser=parse_flags_or_exit)`: absl's own parser exits 1 on a bad flag; 2 here."""
+    """`app.run(main, flags_parser=parse_flags_or_exit)`: absl's own parser exits 1 on a bad flag; 2 here.
+    --warmup and --nowarmup (once a boolean) still mean --warmup=full and --warmup=none."""
+    argv = [_WARMUP_ALIASES.get(arg, arg) for arg in argv]
     try:
         return FLAGS(argv)
     except flags.Error as e:

@@ -16,9 +16,13 @@ from collections.abc import Sequence
 import jax
 from tqdm.auto import tqdm
 
+log = logging.getLogger("ferry")
+
+WARMUP_MODES = ("full", "lazy", "none")
+
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import Request
-from engine.runner import ModelRunner, RunnerOutput, num_blocks_for_memory
+from engine.runner import CompileCounter, ModelRunner, RunnerOutput, kv_bytes_per_block, num_blocks_for_memory
 from engine.sampling_params import MAX_SEED, SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerConfig
 from models.loading import LoadedModel, load_model
@@ -35,8 +39,9 @@ class EngineDeadError(RuntimeError):
 @dataclasses.dataclass(slots=True)
 class EngineConfig:
     block_size: int = 16
-    num_blocks: int | None = None          # KV blocks incl. the null block; None: from memory_fraction
-    memory_fraction: float = 0.5           # of free device memory (host RAM on CPU) for the KV cache
+    num_blocks: int | None = None          # KV blocks incl. the null block; None: from the budget below
+    memory_fraction: float = 0.5           # of free accelerator memory for the KV cache (not on CPU)
+    cpu_kv_cache_gib: float = 4.0          # KV-cache budget on CPU, GiB (as vLLM's VLLM_CPU_KVCACHE_SPACE)
     max_num_seqs: int = 64                 # decode batch cap
     max_num_batched_tokens: int = 512      # tokens per step (decode + prefill chunks)
     max_model_len: int | None = None       # None: the model's own
@@ -49,10 +54,17 @@ class EngineConfig:
     dtype: str | None = None               # model dtype when loading from a path
     seed: int = 0                          # draws the seeds of requests that give none
     enable_prefix_caching: bool = True     # reuse the K/V of cached leading prompt blocks (kv_cache_manager)
+    warmup: str = "none"                   # compile in __init__: "full" every step shape, both samplers;
+                                           # "lazy" the greedy ones, the full sampler's in the background;
+                                           # "none" each shape on first use
 
     def __post_init__(self):
         if self.preemption_mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', not {self.preemption_mode!r}")
+        if self.warmup not in WARMUP_MODES:
+            raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, not {self.warmup!r}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, not {self.cpu_kv_cache_gib}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -128,16 +140,21 @@ def enable_compilation_cache():
     if path == "0" or jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # Every program, however quick to compile: a restart then loads all of them (measured: a scanned
+    # step compiles in well under the default 1 s, and skipping it made warm starts compile again).
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 class LLMEngine:
     def __init__(self, model: LoadedModel | str, config: EngineConfig | None = None,
                  tokenizer: Tokenizer | None = None):
         config = config or EngineConfig()
+        started = time.perf_counter()
         enable_compilation_cache()
         if isinstance(model, str):
             model = load_model(model, config.dtype)
+        load_s = time.perf_counter() - started
         if tokenizer is None and model.path is not None:
             try:
                 tokenizer = load_tokenizer(model.path)
@@ -149,7 +166,8 @@ class LLMEngine:
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         num_blocks = config.num_blocks or num_blocks_for_memory(
             model.cfg, config.block_size, kv_dtype, config.memory_fraction,
-            cap_blocks=1 + config.max_num_seqs * math.ceil(max_model_len / config.block_size))
+            cap_blocks=1 + config.max_num_seqs * math.ceil(max_model_len / config.block_size),
+            cpu_budget_bytes=int(config.cpu_kv_cache_gib * 2**30))
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
@@ -166,9 +184,20 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._next_id = 0
         self.step_times = {"schedule_s": 0.0, "execute_s": 0.0, "postprocess_s": 0.0, "steps": 0}
+        cache_s = time.perf_counter() - started - load_s
+        counter = CompileCounter.install()
+        compiled, loaded = counter.count, counter.cache_hits
+        warmup_s = self.warmup(background=True) if config.warmup == "lazy" else (
+            self.warmup() if config.warmup == "full" else 0.0)
+        kv_gib = num_blocks * kv_bytes_per_block(model.cfg, config.block_size, kv_dtype) / 2**30
+        log.info("start-up took %.1f s: model %.1f s; KV cache %.1f s (%d blocks, %.2f GiB); warm-up=%s %.1f s "
+                 "(%d programs compiled, %d loaded from the persistent compilation cache)",
+                 time.perf_counter() - started, load_s, cache_s, num_blocks, kv_gib, config.warmup, warmup_s,
+                 counter.count - compiled, counter.cache_hits - loaded)
 
-    def warmup(self, sampling: bool = True) -> float:
-        return self.runner.warmup(sampling)
+    def warmup(self, sampling: bool = True, background: bool = False) -> float:
+        """Compile every step shape now (ModelRunner.warmup); EngineConfig.warmup does it in __init__."""
+        return self.runner.warmup(sampling, background)
 
     # -------------------------------------------------------------- requests
 

@@ -7,17 +7,20 @@ that samples this step. `warmup()` compiles every bucket up front; after it, `co
 any new compilation an error (the tpu-inference guard).
 """
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import logging
 import math
 import os
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from engine.packing import SeqSlice, StepLayout, bucket, pack
 from engine.sampler import SamplingRow, build_sampling_metadata, select_mode
@@ -73,15 +76,16 @@ class Buckets:
     decode_batch: tuple[int, ...]     # decode rows
     prefill_tokens: tuple[int, ...]   # flat prefill rows
     prefill_seqs: int                 # sequences per prefill call (more are split across calls)
-    widths: tuple[int, ...]           # block-table widths
+    width: int                        # block-table width: every sequence's most pages. One width:
+                                      # the kernels loop over the pages a sequence uses, not the table
     swap_blocks: tuple[int, ...]      # blocks per swap copy
 
     @classmethod
     def make(cls, max_num_seqs, max_num_batched_tokens, max_blocks_per_seq, max_prefill_seqs=8):
-        widths = tuple(powers_of_two(1, max_blocks_per_seq))
         return cls(tuple(powers_of_two(1, max_num_seqs)),
                    tuple(powers_of_two(MIN_PREFILL_TOKENS, max_num_batched_tokens)),
-                   bucket(min(max_num_seqs, max_prefill_seqs)), widths, widths)
+                   bucket(min(max_num_seqs, max_prefill_seqs)), max_blocks_per_seq,
+                   tuple(powers_of_two(1, max_blocks_per_seq)))
 
     def pick(self, sizes, n):
         for size in sizes:
@@ -89,18 +93,25 @@ class Buckets:
                 return size
         raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
+    def step_layouts(self) -> list[StepLayout]:
+        """Every layout a plain (not prompt-scoring) step can take: what warm-up compiles."""
+        return ([StepLayout(rows, rows, self.width, rows, decode=True) for rows in self.decode_batch] +
+                [StepLayout(tokens, self.prefill_seqs, self.width, self.prefill_seqs, decode=False)
+                 for tokens in self.prefill_tokens])
+
 
 # ------------------------------------------------------------------ swap copies
 
 @jax.jit
 def _gather_blocks(kv_cache, block_ids):
-    return [(k[block_ids], v[block_ids]) for k, v in kv_cache]
+    """Every layer's pages `block_ids`: ([L, n, ...], [L, n, ...])."""
+    return tuple(pages[:, block_ids] for pages in kv_cache)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter_blocks(kv_cache, block_ids, blocks):
     # Padded entries of block_ids are the null block: whatever they carry lands there, harmlessly.
-    return [(k.at[block_ids].set(bk), v.at[block_ids].set(bv)) for (k, v), (bk, bv) in zip(kv_cache, blocks)]
+    return tuple(pages.at[:, block_ids].set(new) for pages, new in zip(kv_cache, blocks))
 
 
 def host_memory_sharding():
@@ -127,6 +138,7 @@ class ModelRunner:
         self.host_sharding = host_memory_sharding()
         self.swapped: dict[tuple[int, ...], list] = {}  # host block ids -> the blocks' contents in host memory
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
+        self._background: threading.Thread | None = None  # warm-up's full-sampler compiles, if any
 
     # -------------------------------------------------------------- plan execution
 
@@ -200,12 +212,11 @@ class ModelRunner:
 
     def layout_for(self, seqs, decode: bool, all_logits: bool = False) -> StepLayout:
         b = self.buckets
-        width = b.pick(b.widths, max(len(s.block_ids) for s in seqs))
         if decode:
             rows = b.pick(b.decode_batch, len(seqs))
-            return StepLayout(rows, rows, width, rows, decode=True)
+            return StepLayout(rows, rows, b.width, rows, decode=True)
         tokens = b.pick(b.prefill_tokens, sum(len(s.token_ids) for s in seqs))
-        return StepLayout(tokens, b.prefill_seqs, width, tokens if all_logits else b.prefill_seqs, decode=False)
+        return StepLayout(tokens, b.prefill_seqs, b.width, tokens if all_logits else b.prefill_seqs, decode=False)
 
     def _call(self, seqs, layout: StepLayout, rows, score_chunk=None):
         """Pack, run the jitted step, fetch its (small) outputs. Returns numpy (tokens, logprob, top_ids,
@@ -278,38 +289,78 @@ class ModelRunner:
 
     # -------------------------------------------------------------- warm-up
 
-    def warmup(self, sampling: bool = True) -> float:
-        """Compile every bucket now: (decode batch x width, prefill tokens x width) for the greedy
-        sampler, and for the full one too unless `sampling` is False; and every swap size."""
+    def warmup(self, sampling: bool = True, background: bool = False) -> float:
+        """Compile every step layout for the greedy sampler and, if `sampling`, for the full one too,
+        and every swap size. With `background` the full sampler's programs compile on a thread after
+        this returns (`wait_for_warmup` joins it; a sampled request that comes first compiles its own).
+
+        Ahead of time (lower + compile: nothing runs and the cache is not touched), on one thread per
+        core: tracing holds the GIL, XLA's compile does not. Returns the seconds it took."""
         t0 = time.perf_counter()
-        b = self.buckets
-        greedy_row = SamplingRow(GREEDY, 0, 0, [0], 1)
-        sampling_modes = [greedy_row] + ([SamplingRow(SamplingParams(temperature=1.0), 0, 0, [0], 1)] if sampling else [])
-        layouts = [StepLayout(rows, rows, width, rows, decode=True) for width in b.widths for rows in b.decode_batch]
-        layouts += [StepLayout(tokens, b.prefill_seqs, width, b.prefill_seqs, decode=False)
-                    for width in b.widths for tokens in b.prefill_tokens]
-        for mode_row in sampling_modes:
-            for layout in layouts:  # one real-looking row is enough: the shapes are the layout's
-                self._call([SeqSlice([0], 0, [NULL_BLOCK] * layout.width)], layout, [mode_row])
-        for n in b.swap_blocks:
+        layouts = self.buckets.step_layouts()
+        now = [(layout, "greedy") for layout in layouts]
+        later = [(layout, "full") for layout in layouts] if sampling else []
+        if not background:
+            now, later = now + later, []
+        # Shapes only: the background thread must not touch the cache, which steps donate meanwhile.
+        cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_cache)
+        self._compile_steps(now, cache, threads=os.cpu_count() or 1, progress=True)
+        self._warm_swaps()
+        if later:
+            self._background = threading.Thread(target=self._compile_steps, args=(later, cache, 1, False),
+                                                name="ferry-warmup", daemon=True)
+            self._background.start()
+        self.timings = {"device_s": 0.0, "pack_s": 0.0}
+        elapsed = time.perf_counter() - t0
+        log.info("warm-up: %d step programs (%d layouts x %s) and %d swap sizes in %.1f s%s", len(now), len(layouts),
+                 "greedy + full sampler" if sampling and not background else "greedy sampler",
+                 len(self.buckets.swap_blocks), elapsed,
+                 f"; {len(later)} full-sampler programs compiling in the background" if later else "")
+        return elapsed
+
+    def wait_for_warmup(self):
+        """Join the background compilation `warmup(background=True)` started, if any."""
+        if self._background is not None:
+            self._background.join()
+            self._background = None
+
+    def _compile_steps(self, programs, cache, threads: int, progress: bool):
+        """Compile sample_step for each (layout, sampler mode) against `cache` (ShapeDtypeStructs),
+        on `threads` threads."""
+        m = self.model
+
+        def compile_one(program):
+            layout, mode = program
+            buf = np.zeros(layout.size, np.int32)
+            sampling_md = (build_sampling_metadata([], layout.num_seqs, layout.width * self.block_size,
+                                                   m.cfg.vocab_size) if mode == "full" else None)
+            sample_step.lower(m.graphdef, m.state, cache, buf, sampling_md, layout, mode,
+                              self.attention_impl).compile()
+
+        with (concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool,
+              tqdm(total=len(programs), desc="warm-up", unit="program", disable=not progress) as bar):
+            for future in concurrent.futures.as_completed([pool.submit(compile_one, p) for p in programs]):
+                future.result()
+                bar.update(1)
+
+    def _warm_swaps(self):
+        for n in self.buckets.swap_blocks:
             host = tuple(range(-n, 0))  # placeholder ids that no real swap uses
             self._swap_out([NULL_BLOCK] * n, host)
             self._swap_in(host, [NULL_BLOCK] * n)
-        self.timings = {"device_s": 0.0, "pack_s": 0.0}
-        elapsed = time.perf_counter() - t0
-        log.info("warm-up: %d step shapes x %d sampler(s) and %d swap sizes in %.1f s", len(layouts),
-                 len(sampling_modes), len(b.swap_blocks), elapsed)
-        return elapsed
 
 
 # ------------------------------------------------------------------ compile counting
 
 class CompileCounter:
-    """Counts XLA backend compilations through jax.monitoring (one event per compiled executable)."""
+    """Counts XLA backend compilations through jax.monitoring (one event per compiled executable), and
+    executables loaded from the persistent compilation cache instead (not compilations)."""
 
     EVENT = "/jax/core/compile/backend_compile_duration"
+    CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
     _registered = False
     count = 0
+    cache_hits = 0
 
     @classmethod
     def install(cls):
@@ -317,7 +368,12 @@ class CompileCounter:
             def listener(event, duration, **kwargs):
                 if event == cls.EVENT:
                     cls.count += 1
+
+            def hit_listener(event, **kwargs):
+                if event == cls.CACHE_HIT_EVENT:
+                    cls.cache_hits += 1
             jax.monitoring.register_event_duration_secs_listener(listener)
+            jax.monitoring.register_event_listener(hit_listener)
             cls._registered = True
         return cls
 
@@ -337,13 +393,17 @@ def kv_bytes_per_block(cfg, block_size, dtype) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def num_blocks_for_memory(cfg, block_size, dtype, memory_fraction: float, cap_blocks: int) -> int:
-    """KV blocks that fit in `memory_fraction` of the device's free memory (host RAM on CPU), at most
-    `cap_blocks` (more than every sequence at full length could use is waste)."""
-    stats = jax.devices()[0].memory_stats() or {}
+def num_blocks_for_memory(cfg, block_size, dtype, memory_fraction: float, cap_blocks: int,
+                          cpu_budget_bytes: int) -> int:
+    """KV blocks that fit in `memory_fraction` of an accelerator's free memory, or on CPU (or a
+    device that reports no memory) in `cpu_budget_bytes`: a fixed budget, as vLLM's CPU backend, not a
+    share of host RAM (half of it was gigabytes of zeros to allocate for a small model). At most
+    `cap_blocks`: more than every sequence at full length could use is waste."""
+    device = jax.devices()[0]
+    stats = (device.memory_stats() or {}) if device.platform != "cpu" else {}
     if "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * memory_fraction)
     else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    blocks = int(free * memory_fraction) // kv_bytes_per_block(cfg, block_size, dtype)
+        budget = cpu_budget_bytes
+    blocks = budget // kv_bytes_per_block(cfg, block_size, dtype)
     return max(2, min(blocks, cap_blocks))

@@ -3,9 +3,10 @@
     python -m engine.serve --model=DIR [--host=127.0.0.1 --port=8000 --api_key=KEY --max_waiting=256]
 
 Every EngineConfig field is a flag (engine/cli_flags.py; EngineConfig.seed is --engine_seed). Server flags:
---host, --port, --served_model_name, --api_key (default $FERRY_API_KEY), --max_waiting, --warmup,
+--host, --port, --served_model_name, --api_key (default $FERRY_API_KEY), --max_waiting,
 --log_interval_s, the request limits (--max_request_bytes, --max_prompt_chars, --max_stop_strings,
---max_stop_chars) and --shutdown_timeout. Once listening it prints the URL and a curl line to try.
+--max_stop_chars) and --shutdown_timeout. The engine flag --warmup defaults to full here.
+Once listening it prints the URL and a curl line to try.
 
 Exit status: 0 after a graceful shutdown (SIGTERM or Ctrl-C: stop accepting, let running requests finish
 for up to --shutdown_timeout seconds, end the rest with an error; a second signal stops at once), 1 if the
@@ -38,7 +39,7 @@ flags.DEFINE_string("api_key", None, "require `Authorization: Bearer <key>` on e
                     "/metrics; unset: $FERRY_API_KEY if set, else no authentication")
 flags.DEFINE_integer("max_waiting", None, "most requests admitted but not yet generating; past it 503 with "
                      "Retry-After; unset: unbounded", lower_bound=1)
-flags.DEFINE_boolean("warmup", True, "compile every step shape before serving, so no request waits on a compile")
+FLAGS.set_default("warmup", "full")  # a server compiles before it listens, so no request waits on a compile
 flags.DEFINE_float("log_interval_s", 5.0, "seconds between throughput log lines", lower_bound=0.1)
 _DEFAULTS = ServerConfig(served_model_name="")  # slots: defaults live on instances, not the class
 flags.DEFINE_integer("max_request_bytes", _DEFAULTS.max_request_bytes, "larger request bodies get a 413",
@@ -124,9 +125,6 @@ def run(argv: list[str]):
         cli_flags.exit_usage_error(str(e))
     log.info("engine ready: max_model_len=%d, %d KV blocks of %d tokens", engine.max_model_len,
                 engine.scheduler.block_pool.num_total, engine.config.block_size)
-    if FLAGS.warmup:
-        log.info("warm-up: compiling every step shape (--nowarmup skips it)")
-        engine.warmup(sampling=True)
     config = server_config_from_flags(model_dir)
     uvicorn_config = uvicorn.Config(None, host=FLAGS.host, port=FLAGS.port, log_level="info",
                                     timeout_graceful_shutdown=5)

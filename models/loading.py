@@ -4,6 +4,12 @@ Both forms come back as a `LoadedModel`: the config and the model split once (`n
 static graphdef and a state pytree, which is what the jitted step takes.
 
 Ferry checkpoint layout:  DIR/ferry_config.json  DIR/params/ (orbax)  plus any tokenizer files.
+
+Names. Both formats store one tensor per layer under Hugging Face-style names ("layers.3.mlp.up_proj.kernel"
+once `_hf_to_ferry_name` has dropped "model." and renamed "weight"), while the model holds each
+layer parameter once, stacked over layers ("layers.mlp.up_proj.kernel" [num_layers, ...], see
+models/transformer.py). `_fill_state` is the one place the per-layer names meet the stacked tree: it
+puts tensor "layers.i.NAME" at index i of "layers.NAME"; `_per_layer_tensors` is its inverse, for saving.
 """
 
 import dataclasses
@@ -80,10 +86,43 @@ def _set_path(tree, path, value):
     tree[path[-1]] = value
 
 
+def _layer_name(stacked_name: str, layer: int) -> str:
+    """"layers.mlp.up_proj.kernel", 3 -> "layers.3.mlp.up_proj.kernel"."""
+    return f"layers.{layer}.{stacked_name.removeprefix('layers.')}"
+
+
+def _per_layer_leaves(state) -> dict[str, jax.ShapeDtypeStruct]:
+    """The model's tensors under per-layer names, each with its per-layer shape and dtype."""
+    out = {}
+    for name, (_, leaf) in _flat_paths(nnx.to_pure_dict(state)).items():
+        if name.startswith("layers."):
+            for layer in range(leaf.shape[0]):
+                out[_layer_name(name, layer)] = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+        else:
+            out[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    return out
+
+
+def _per_layer_tensors(params: dict) -> dict[str, jax.Array]:
+    """A pure params dict -> {per-layer name: tensor}: the stacked layer parameters cut back into layers."""
+    out = {}
+    for name, (_, leaf) in _flat_paths(params).items():
+        if name.startswith("layers."):
+            out.update((_layer_name(name, i), leaf[i]) for i in range(leaf.shape[0]))
+        else:
+            out[name] = leaf
+    return out
+
+
 def _fill_state(graphdef, state, arrays: dict[str, jax.Array]) -> nnx.State:
+    """Put per-layer-named `arrays` (consumed: each is dropped once stacked) into `state`."""
     pure = nnx.to_pure_dict(state)
-    for name, (path, _) in _flat_paths(pure).items():
-        _set_path(pure, path, arrays[name])
+    for name, (path, leaf) in _flat_paths(pure).items():
+        if name.startswith("layers."):
+            value = jnp.stack([arrays.pop(_layer_name(name, i)) for i in range(leaf.shape[0])])
+        else:
+            value = arrays.pop(name)
+        _set_path(pure, path, value)
     nnx.replace_by_pure_dict(state, pure)
     return state
 
@@ -106,7 +145,8 @@ def _safetensors_files(model_dir: str) -> list[str]:
 
 
 def _hf_to_ferry_name(hf_name: str) -> tuple[str, bool]:
-    """Checkpoint tensor name -> (Ferry parameter name, transpose?)."""
+    """Checkpoint tensor name -> (Ferry per-layer tensor name, transpose?), e.g.
+    "model.layers.3.mlp.up_proj.weight" -> ("layers.3.mlp.up_proj.kernel", True); `_fill_state` stacks."""
     name = hf_name.removeprefix("model.")
     if name == "embed_tokens.weight":
         return "embed_tokens.embedding", False
@@ -119,7 +159,7 @@ def load_hf(model_dir: str, dtype=None) -> LoadedModel:
     cfg, hf = load_hf_config(model_dir)
     dtype = _dtype(dtype) or _dtype(hf.get("dtype") or hf.get("torch_dtype") or "float32")
     graphdef, abstract = abstract_model(cfg, dtype)
-    expected = {name: leaf for name, (_, leaf) in _flat_paths(nnx.to_pure_dict(abstract)).items()}
+    expected = _per_layer_leaves(abstract)
     arrays = {}
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="numpy") as f:
@@ -154,7 +194,7 @@ def save_checkpoint(model: LoadedModel, out_dir: str, tokenizer_dir: str | None 
     """Write params (orbax) and the config beside them; copy tokenizer files from `tokenizer_dir`."""
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    flat = {name: leaf for name, (_, leaf) in _flat_paths(model.params()).items()}
+    flat = _per_layer_tensors(model.params())  # per-layer names on disk, as Hugging Face's
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(out_dir, PARAMS_DIR), flat, force=True)
     with open(os.path.join(out_dir, FERRY_CONFIG), "w") as f:
@@ -182,7 +222,7 @@ def load_checkpoint(ckpt_dir: str, dtype=None) -> LoadedModel:
         graphdef, abstract = abstract_model(cfg, saved_dtype)
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-                  for name, (_, leaf) in _flat_paths(nnx.to_pure_dict(abstract)).items()}
+                  for name, leaf in _per_layer_leaves(abstract).items()}
         arrays = ckptr.restore(params_dir, target)
     if dtype != jnp.dtype(saved_dtype):
         graphdef, abstract = abstract_model(cfg, dtype)

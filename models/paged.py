@@ -7,8 +7,9 @@ import jax.numpy as jnp
 
 NULL_BLOCK = 0  # reserved: padding tokens write here and block tables pad with it
 
-# One (k_pages, v_pages) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
-KVCache = list[tuple[jax.Array, jax.Array]]
+# (k_pages, v_pages), each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]: one array per
+# side for every layer, so the layer loop is a scan and the step donates two buffers, not 2 x layers.
+KVCache = tuple[jax.Array, jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,14 @@ class AttentionMetadata:
     query_start_loc: jax.Array
     decode: bool = False
 
+    def for_layer(self, layer, num_blocks: int, block_size: int) -> "AttentionMetadata":
+        """The same step seen by `layer` in the layers' pages laid end to end ([L * num_blocks, ...],
+        see `layer_pool`): its blocks are offset by layer * num_blocks. Padding then points at that
+        layer's own null block."""
+        offset = layer * num_blocks
+        return dataclasses.replace(self, slot_mapping=self.slot_mapping + offset * block_size,
+                                   block_tables=self.block_tables + offset)
+
 
 jax.tree_util.register_dataclass(
     AttentionMetadata,
@@ -38,8 +47,14 @@ jax.tree_util.register_dataclass(
 
 
 def init_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype) -> KVCache:
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+    shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def layer_pool(pages: jax.Array) -> jax.Array:
+    """[L, num_blocks, ...] -> [L * num_blocks, ...]: every layer's pages as one pool (a free reshape),
+    which the attention kernels read through per-layer offset block tables (AttentionMetadata.for_layer)."""
+    return pages.reshape(pages.shape[0] * pages.shape[1], *pages.shape[2:])
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):

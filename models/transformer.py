@@ -1,8 +1,10 @@
 """One decoder-only transformer for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma).
 
-Module and attribute names follow Hugging Face's (`layers.3.self_attn.q_proj`), so checkpoint
-names map onto the parameter tree mechanically (models/loading.py). The forward pass is paged: it
-writes this step's K/V into the cache and attends through block tables (models/paged.py).
+Module and attribute names follow Hugging Face's (`layers.self_attn.q_proj`), so checkpoint
+names map onto the parameter tree mechanically (models/loading.py). The decoder layers are ONE
+`DecoderLayer` whose parameters carry a leading [num_layers] axis, run by `jax.lax.scan`: the step
+traces and compiles one layer, so start-up cost does not grow with depth. The forward pass is paged:
+it writes this step's K/V into the cache and attends through block tables (models/paged.py).
 """
 
 import jax
@@ -10,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.paged import AttentionMetadata, KVCache, write_kv
+from models.paged import AttentionMetadata, KVCache, layer_pool, write_kv
 from pallas_kernels.attention import paged_attention
 
 _INIT = nnx.initializers.normal(0.02)
@@ -104,12 +106,21 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
+def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
+    """Modules of one structure -> one module whose every array has a leading [len(modules)] axis.
+    Built one by one first, so the random initialisation draws exactly as an unrolled stack would."""
+    graphdef, _ = nnx.split(modules[0])
+    states = [nnx.split(m)[1] for m in modules]
+    return nnx.merge(graphdef, jax.tree.map(lambda *leaves: jnp.stack(leaves), *states))
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.dtype = cfg, dtype
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                                       embedding_init=_INIT, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        # [num_layers, ...] parameters (stack_modules); only scan_layers calls it.
+        self.layers = stack_modules([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
@@ -122,10 +133,20 @@ class Transformer(nnx.Module):
         if cfg.scale_embeddings:
             x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
         cos, sin = rope_cos_sin(jnp.asarray(cfg.rope_inv_freq()), positions, x.dtype)
-        new_cache = []
-        for layer, kv in zip(self.layers, kv_cache):
-            x, kv = layer(x, cos, sin, kv, md, attention_impl)
-            new_cache.append(kv)
+        k_pages, v_pages = kv_cache
+        num_blocks, block_size = k_pages.shape[1:3]
+
+        def layer_step(layer, carry, index):
+            x, k_pool, v_pool = carry
+            x, (k_pool, v_pool) = layer(x, cos, sin, (k_pool, v_pool),
+                                        md.for_layer(index, num_blocks, block_size), attention_impl)
+            return x, k_pool, v_pool
+
+        # The cache rides in the carry as one pool of every layer's pages: each layer scatters into
+        # it and its kernel reads it in place (a per-layer slice would copy the layer's pages).
+        x, k_pool, v_pool = self.scan_layers(layer_step, (x, layer_pool(k_pages), layer_pool(v_pages)),
+                                             jnp.arange(cfg.num_layers))
+        new_cache = (k_pool.reshape(k_pages.shape), v_pool.reshape(v_pages.shape))
         x = self.norm(x[logits_indices])  # only the rows we sample from (RMSNorm is per token)
         if cfg.tie_word_embeddings:
             logits = self.embed_tokens.attend(x)
@@ -135,6 +156,19 @@ class Transformer(nnx.Module):
         if cfg.final_logit_softcap:
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
         return logits, new_cache
+
+
+    def scan_layers(self, fn, carry, xs=None):
+        """`carry` through every layer in order, one traced layer (jax.lax.scan):
+        fn(layer, carry, x) -> carry, where layer is a DecoderLayer holding that layer's parameters
+        and x that layer's slice of `xs` (None: nothing)."""
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(c, inputs):
+            layer_state, x = inputs
+            return fn(nnx.merge(graphdef, layer_state), c, x), None
+
+        return jax.lax.scan(body, carry, (stacked, xs))[0]
 
 
 def forward(graphdef, state, kv_cache, token_ids, positions, md, logits_indices, attention_impl=None):

@@ -43,7 +43,6 @@ flags.adopt_module_key_flags(cli_flags)
 flags.DEFINE_string("tasks", None, "JSONL task file (see the module docstring)")
 flags.DEFINE_string("json_out", None, "write the results here as JSON")
 flags.DEFINE_integer("max_gen_tokens", 16, "max_tokens of generate items that give none", lower_bound=1)
-flags.DEFINE_boolean("warmup", False, "compile every step shape before timing (slow on CPU)")
 
 TASK_TYPES = ("loglikelihood", "generate", "perplexity")
 METRIC = {"loglikelihood": "acc", "generate": "exact_match", "perplexity": "perplexity"}
@@ -302,8 +301,6 @@ def run(argv: list[str]):
         config = cli_flags.engine_config_from_flags()
         model_dir = cli_flags.resolve_model_dir(FLAGS.model)
         llm = LLM(model_dir, config)
-        if FLAGS.warmup:
-            llm.engine.warmup(sampling=False)  # every eval request is greedy
         results = evaluate(llm, tasks, FLAGS.max_gen_tokens, use_tqdm=FLAGS.progress)
     except (ValueError, FileNotFoundError) as e:
         cli_flags.exit_usage_error(str(e))

@@ -303,10 +303,12 @@ def causal_lm_logits(model, tokens):
     if cfg.scale_embeddings:
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
     cos, sin = rope_cos_sin(jnp.asarray(cfg.rope_inv_freq()), jnp.arange(tokens.shape[1]), x.dtype)
-    for layer in model.layers:
+
+    def layer_step(layer, x, _):
         x = x + causal_attention(layer.self_attn, layer.input_layernorm(x), cos, sin)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    x = model.norm(x)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    x = model.norm(model.scan_layers(layer_step, x))
     logits = model.embed_tokens.attend(x) if cfg.tie_word_embeddings else model.lm_head(x)
     logits = logits.astype(jnp.float32)
     if cfg.final_logit_softcap:

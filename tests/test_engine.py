@@ -7,7 +7,8 @@ from engine.engine import LLM, EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.runner import CompileCounter
 from hf_models import check_greedy_match, hf_greedy, make_hf_model
-from models.loading import load_model
+from models.config import ModelConfig
+from models.loading import load_model, random_model
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +135,40 @@ def test_prefix_caching_on_and_off_give_transformers_tokens(checkpoint, mode):
     assert on["prefix_cache_hits"] >= 7 * 40 and on["prefix_cache_hit_rate"] > 0.3
     if ties:
         print(f"seed {seed}: accepted ties:", *ties, sep="\n  ")
+
+
+def _random_engine(num_layers: int, **config) -> LLMEngine:
+    cfg = ModelConfig(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64,
+                      num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    return LLMEngine(random_model(cfg, seed=num_layers), EngineConfig(block_size=8, max_num_seqs=4,
+                                                                      max_num_batched_tokens=32, num_blocks=24,
+                                                                      **config))
+
+
+def test_warmup_of_a_deeper_model_compiles_no_more_programs():
+    """The layers are one scanned program body: 1 and 6 layers compile the same number of programs."""
+    counter = CompileCounter.install()
+    counts = {}
+    for num_layers in (1, 6):
+        engine = _random_engine(num_layers)
+        before = counter.count
+        engine.warmup(sampling=True)
+        counts[num_layers] = counter.count - before
+    assert counts[1] > 0 and counts[6] <= counts[1], counts
+
+
+def test_lazy_warmup_compiles_the_full_sampler_in_the_background():
+    """warmup="lazy": the greedy programs before __init__ returns, the full sampler's on a thread; once
+    it is done, sampled and greedy requests compile nothing."""
+    counter = CompileCounter.install()
+    engine = _random_engine(2, warmup="lazy")
+    engine.runner.wait_for_warmup()
+    before = counter.count
+    rng = np.random.default_rng()
+    for i in range(12):
+        prompt = rng.integers(3, 128, size=int(rng.integers(1, 30))).tolist()
+        params = SamplingParams(temperature=float(i % 2), max_tokens=int(rng.integers(1, 12)), ignore_eos=True)
+        engine.add_request(None, prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert counter.count - before == 0, f"{counter.count - before} compilations after warm-up"

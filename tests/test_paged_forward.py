@@ -23,32 +23,41 @@ def _step(model, cache, seqs, layout):
 
 
 def test_cache_update_reuses_the_donated_buffer():
+    """The stacked [L, ...] cache is donated and written in place: same buffers out, and the compiled
+    step (a scan over layers) holds no copy of it."""
     model = random_model(CFG)
     cache = init_kv_cache(CFG.num_layers, 16, BLOCK, CFG.num_kv_heads, CFG.head_dim, np.float32)
-    pointers = [(k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) for k, v in cache]
+    pointers = [pages.unsafe_buffer_pointer() for pages in cache]
     layout = StepLayout(16, 2, 4, 2, decode=False)
-    _, new_cache = _step(model, cache, [SeqSlice([5, 6, 7], 0, [3, 9])], layout)
-    assert all(k.is_deleted() and v.is_deleted() for k, v in cache), "the old cache must be donated"
-    assert [(k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) for k, v in new_cache] == pointers
+    seqs = [SeqSlice([5, 6, 7], 0, [3, 9])]
+    hlo = model_step.lower(model.graphdef, model.state, cache, pack(seqs, layout, BLOCK), layout).compile().as_text()
+    cache_shape = "f32[" + ",".join(map(str, cache[0].shape)) + "]"
+    pool_shape = f"f32[{CFG.num_layers * 16},"  # the layers' pages as one pool inside the scan
+    copies = [line for line in hlo.splitlines() if " copy(" in line or "copy-start" in line]
+    assert not [c for c in copies if cache_shape in c or pool_shape in c], copies
+    assert "while" in hlo, "the layers should run as one loop"
+    _, new_cache = _step(model, cache, seqs, layout)
+    assert all(pages.is_deleted() for pages in cache), "the old cache must be donated"
+    assert [pages.unsafe_buffer_pointer() for pages in new_cache] == pointers
 
 
 def test_padding_tokens_change_nothing_outside_the_null_block():
     rng = np.random.default_rng()
     model = random_model(CFG, seed=int(rng.integers(1 << 30)))
-    shape = (16, BLOCK, CFG.num_kv_heads, CFG.head_dim)
-    cache = [(jax.numpy.asarray(rng.normal(size=shape), np.float32),
-              jax.numpy.asarray(rng.normal(size=shape), np.float32)) for _ in range(CFG.num_layers)]
-    before = [(np.asarray(k), np.asarray(v)) for k, v in cache]
+    shape = (CFG.num_layers, 16, BLOCK, CFG.num_kv_heads, CFG.head_dim)
+    cache = tuple(jax.numpy.asarray(rng.normal(size=shape), np.float32) for _ in range(2))
+    before = [np.asarray(pages) for pages in cache]
     # Two real sequences (5 and 2 tokens) in a 16-row step with 4 sequence rows: 9 padding tokens.
     seqs = [SeqSlice(rng.integers(0, 128, 5).tolist(), 0, [7, 2]), SeqSlice([11, 12], 0, [12])]
     written = {(7, i) for i in range(4)} | {(2, 0), (12, 0), (12, 1)}
     _, cache = _step(model, cache, seqs, StepLayout(16, 4, 2, 4, decode=False))
-    for (k0, v0), (k1, v1) in zip(before, cache):
-        for old, new in ((k0, np.asarray(k1)), (v0, np.asarray(v1))):
+    for old, new in zip(before, cache):
+        new = np.asarray(new)
+        for layer in range(CFG.num_layers):
             for block in range(1, 16):
                 for slot in range(BLOCK):
-                    same = np.array_equal(old[block, slot], new[block, slot])
-                    assert same != ((block, slot) in written), (block, slot)
+                    same = np.array_equal(old[layer, block, slot], new[layer, block, slot])
+                    assert same != ((block, slot) in written), (layer, block, slot)
 
 
 @pytest.mark.parametrize("impl", ["pallas_interpret", "native", "pallas_tpu_interpret"])

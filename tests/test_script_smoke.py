@@ -36,3 +36,16 @@ def test_bench_native_attention(tmp_path):
     assert [(r["head_dim"], r["context"]) for r in rows] == [(32, 16), (32, 40)]
     for r in rows:
         assert r["native_ms"] > 0 and r["reference_ms"] > 0 and r["max_abs_err"] < 1e-5
+
+
+def test_benchmark_startup(tmp_path):
+    """Two depths of a tiny model: the table, the JSON, and the same program count for both (scan)."""
+    out = tmp_path / "startup.json"
+    stdout = _run(["scripts/benchmark_startup.py", "--layers=1,3", "--hidden=32", "--heads=4", "--kv_heads=2",
+                   "--vocab=128", "--max_model_len=32", "--max_num_seqs=2", "--max_num_batched_tokens=16",
+                   "--num_blocks=8", f"--json_out={out}"], tmp_path)
+    assert "warm-up s" in stdout
+    rows = json.load(open(out))["warmup"]
+    assert [r["layers"] for r in rows] == [1, 3]
+    assert rows[0]["compiled_programs"] > 0 and rows[1]["compiled_programs"] <= rows[0]["compiled_programs"]
+    assert all(r["warmup_s"] > 0 for r in rows)

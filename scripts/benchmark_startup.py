@@ -1,0 +1,157 @@
+"""Start-up cost: how long until Ferry is ready, and how many XLA programs it compiles on the way.
+
+Two measurements, each in a fresh process so nothing compiled earlier is reused in memory:
+
+  warmup   `LLMEngine.warmup()` of random Llamas of the same width and growing depth (--layers),
+           with the persistent compilation cache off: seconds and compiled programs.
+  serve    `python -m engine.serve --model=--serve_model` until /health answers 200, first with an
+           empty persistent compilation cache (cold), then again with the cache it filled (warm).
+
+    python scripts/benchmark_startup.py --layers=4,8,30 --hidden=512 --serve_model=models/default \
+        --json_out=startup.json
+
+It only uses LLMEngine.warmup() and the serve command line, so the same script times older commits
+too (run it with PYTHONPATH pointing at their checkout).
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+from absl import app, flags
+
+import bench_common as bc
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("layers", ["4", "8", "30"], "depths of the random Llamas to warm up")
+flags.DEFINE_integer("hidden", 512, "random model: hidden size")
+flags.DEFINE_integer("heads", 8, "random model: attention heads")
+flags.DEFINE_integer("kv_heads", 4, "random model: key/value heads")
+flags.DEFINE_integer("vocab", 4096, "random model: vocabulary size")
+flags.DEFINE_integer("max_model_len", 512, "engine max_model_len of the random models")
+flags.DEFINE_integer("max_num_seqs", 64, "EngineConfig.max_num_seqs of the random models")
+flags.DEFINE_integer("max_num_batched_tokens", 512, "EngineConfig.max_num_batched_tokens of the random models")
+flags.DEFINE_integer("num_blocks", 256, "KV blocks of the random models (the compiled shapes do not depend on it)")
+flags.DEFINE_string("serve_model", None, "also time `engine.serve` on this model directory to /health 200")
+flags.DEFINE_list("serve_flags", [], "extra engine.serve flags, e.g. --warmup=lazy")
+flags.DEFINE_integer("port", 8791, "port for the serve measurement")
+flags.DEFINE_float("serve_timeout_s", 900, "give up on a serve start after this long")
+flags.DEFINE_integer("child_layers", None, "internal: warm one model up in this process and print JSON")
+flags.DEFINE_string("json_out", None, "write every result here")
+
+
+def warm_one(layers: int) -> dict:
+    """In this process: build the engine, warm it up, count compilations."""
+    os.environ["FERRY_COMPILATION_CACHE"] = "0"
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.runner import CompileCounter
+    from models.config import ModelConfig
+    from models.loading import random_model
+
+    cfg = ModelConfig(model_type="llama", vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden,
+                      intermediate_size=FLAGS.hidden * 3, num_layers=layers, num_heads=FLAGS.heads,
+                      num_kv_heads=FLAGS.kv_heads, head_dim=FLAGS.hidden // FLAGS.heads,
+                      max_position_embeddings=FLAGS.max_model_len)
+    t0 = time.perf_counter()
+    engine = LLMEngine(random_model(cfg), EngineConfig(
+        num_blocks=FLAGS.num_blocks, max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens))
+    build_s = time.perf_counter() - t0
+    counter = CompileCounter.install()
+    before = counter.count
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    engine.warmup()
+    # CPU seconds (all threads) as well as wall: on a shared machine the wall clock depends on the neighbours.
+    return {"layers": layers, "engine_s": build_s, "warmup_s": time.perf_counter() - t0,
+            "warmup_cpu_s": time.process_time() - cpu0, "compiled_programs": counter.count - before}
+
+
+def time_warmups() -> list[dict]:
+    results = []
+    for layers in FLAGS.layers:
+        cmd = [sys.executable, os.path.abspath(__file__), f"--child_layers={layers}"] + [
+            f"--{name}={FLAGS[name].value}" for name in ("hidden", "heads", "kv_heads", "vocab", "max_model_len",
+                                                          "max_num_seqs", "max_num_batched_tokens", "num_blocks")]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        results.append(json.loads(out.strip().splitlines()[-1]))
+        print(f"warm-up, {layers} layers: {results[-1]}", flush=True)
+    return results
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def time_to_ready(cache_dir: str, log_path: str) -> tuple[float, float]:
+    """Seconds from launching engine.serve to /health answering 200, and the CPU seconds the server
+    used (up to its exit, right after). Its log goes to `log_path`."""
+    env = dict(os.environ, FERRY_COMPILATION_CACHE=cache_dir)
+    cmd = [sys.executable, "-m", "engine.serve", f"--model={FLAGS.serve_model}", f"--port={FLAGS.port}",
+           *FLAGS.serve_flags]
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        while time.perf_counter() - t0 < FLAGS.serve_timeout_s:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine.serve exited with {proc.returncode}: {open(log_path).read()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{FLAGS.port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        wall = time.perf_counter() - t0
+                        proc.terminate()
+                        proc.wait(timeout=30)
+                        return wall, _children_cpu_s() - cpu0
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError(f"engine.serve not ready after {FLAGS.serve_timeout_s} s")
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def startup_lines(log_path: str) -> list[str]:
+    """The server's own account of its start-up (the engine's "start-up took ..." line), if it logs one."""
+    return [line.strip() for line in open(log_path) if "start-up took" in line]
+
+
+def time_serve() -> dict:
+    out = {"model": FLAGS.serve_model, "flags": FLAGS.serve_flags}
+    with tempfile.TemporaryDirectory(prefix="ferry_startup_cache_") as cache_dir:
+        for run in ("cold", "warm"):  # the cold start fills the cache the warm one reads
+            log_path = os.path.join(cache_dir, f"serve_{run}.log")
+            wall, cpu = time_to_ready(cache_dir, log_path)
+            out.update({f"{run}_s": wall, f"{run}_cpu_s": cpu, f"{run}_log": startup_lines(log_path)})
+            print(f"serve {FLAGS.serve_model}: {run} {wall:.1f} s ({cpu:.1f} CPU s) {out[f'{run}_log']}", flush=True)
+    return out
+
+
+def main(argv):
+    del argv
+    if FLAGS.child_layers is not None:
+        print(json.dumps(warm_one(FLAGS.child_layers)))
+        return
+    warmups = time_warmups() if FLAGS.layers else []
+    serve = time_serve() if FLAGS.serve_model else None
+    if warmups:
+        print(bc.format_table(["layers", "engine s", "warm-up s", "warm-up CPU s", "programs"],
+                              [[r["layers"], r["engine_s"], r["warmup_s"], r.get("warmup_cpu_s"),
+                                r["compiled_programs"]] for r in warmups]))
+    if serve:
+        print(bc.format_table(["serve", "cold s", "warm s", "cold CPU s", "warm CPU s"],
+                              [[serve["model"], serve["cold_s"], serve["warm_s"], serve["cold_cpu_s"],
+                                serve["warm_cpu_s"]]]))
+    if FLAGS.json_out:
+        bc.write_json(FLAGS.json_out, {"benchmark": "startup", "config": bc.flag_values(FLAGS),
+                                       "environment": bc.environment(), "warmup": warmups, "serve": serve})
+
+
+if __name__ == "__main__":
+    app.run(main)
