@@ -10,6 +10,7 @@ models/config.from_hf_config). The tokenizer is built in models/gguf_tokenizer.p
     load_model("SmolLM2-135M-Instruct.Q4_1.gguf")   # or a directory holding one .gguf file
 """
 
+import concurrent.futures
 import dataclasses
 import glob
 import os
@@ -221,22 +222,28 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def dequantized_tensors(gguf: GGUFFile, hf: dict):
-    """(file, HF name, float32 numpy array [torch layout]) for every tensor, one at a time."""
+    """(file, HF name, float32 numpy array [torch layout]) for every tensor, in file order.
+
+    gguf.quants is numpy, which lets go of the GIL: tensors are dequantized on a thread per core."""
+    for tensor in gguf.tensors:
+        if hf_tensor_name(tensor.name) is None:
+            raise ConfigError(f"{gguf.path}: tensor {tensor.name!r} has no place in a {hf['model_type']} model")
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+        yield from pool.map(lambda tensor: _dequantize(gguf.path, tensor, hf), gguf.tensors)
+
+
+def _dequantize(path: str, tensor: GGUFTensor, hf: dict):
     from gguf.quants import dequantize  # noqa: PLC0415
 
-    permute = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
-    for tensor in gguf.tensors:
-        name = hf_tensor_name(tensor.name)
-        if name is None:
-            raise ConfigError(f"{gguf.path}: tensor {tensor.name!r} has no place in a {hf['model_type']} model")
-        try:
-            weight = dequantize(tensor.data, tensor.kind).reshape(tensor.shape)
-        except NotImplementedError as e:
-            raise ConfigError(f"{gguf.path}: tensor {tensor.name!r}: {e}") from None
-        role = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
-        if hf["model_type"] == "llama" and role in permute:
-            weight = unpermute_rows(weight, permute[role])
-        yield gguf.path, name, weight
+    try:
+        weight = dequantize(tensor.data, tensor.kind).reshape(tensor.shape)
+    except NotImplementedError as e:
+        raise ConfigError(f"{path}: tensor {tensor.name!r}: {e}") from None
+    role = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
+    heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
+    if hf["model_type"] == "llama" and role in heads:
+        weight = unpermute_rows(weight, heads[role])
+    return path, hf_tensor_name(tensor.name), weight
 
 
 def default_dtype(gguf: GGUFFile) -> str:
