@@ -36,9 +36,27 @@ def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def write_gguf(torch_model, path, matrix_type: gguf.GGMLQuantizationType, tokenizer: dict) -> pathlib.Path:
+# Byte offsets of the float16 scale fields in one block of each K-quant (ggml-common.h's block_q*_K).
+K_QUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_k_quant_blocks(shape: tuple[int, int], kind: gguf.GGMLQuantizationType, rng) -> np.ndarray:
+    """Random blocks of a K-quant (the gguf package has no K-quant quantizer): random quants and
+    sub-scales, small finite float16 scales."""
+    block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, size=(shape[0], shape[1] // block, block_bytes), dtype=np.uint8)
+    for offset in K_QUANT_SCALES[kind.name]:
+        scales = rng.uniform(0.0005, 0.002, size=data.shape[:2]).astype(np.float16)
+        data[..., offset:offset + 2] = scales[..., None].view(np.uint8).reshape(*data.shape[:2], 2)
+    return data.reshape(shape[0], -1)
+
+
+def write_gguf(torch_model, path, matrix_types, tokenizer: dict | None, seed: int = 0) -> pathlib.Path:
     """Write `torch_model` (a transformers llama or qwen2) as a GGUF at `path`; `tokenizer` is a dict of
-    tokenizer.ggml.* metadata (see byte_level_vocab / sentencepiece_vocab)."""
+    tokenizer.ggml.* metadata (see byte_level_vocab / sentencepiece_vocab), or None for none.
+    `matrix_types`: the GGML type of the matrices, or a list of them taken in turn; a K-quant writes
+    random blocks (seeded) in place of the model's matrix."""
+    matrix_types = list(matrix_types) if isinstance(matrix_types, (list, tuple)) else [matrix_types]
     config = torch_model.config
     arch = config.model_type
     writer = gguf.GGUFWriter(str(path), arch)
@@ -52,16 +70,22 @@ def write_gguf(torch_model, path, matrix_type: gguf.GGMLQuantizationType, tokeni
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    _add_tokenizer(writer, tokenizer)
+    if tokenizer is not None:
+        _add_tokenizer(writer, tokenizer)
+    rng = np.random.default_rng(seed)
     state = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # llama.cpp writes no output.weight for a tied head
-    for hf_name, weight in state.items():
+    for index, (hf_name, weight) in enumerate(state.items()):
+        matrix_type = matrix_types[index % len(matrix_types)]
         if arch == "llama" and hf_name.endswith("q_proj.weight"):
             weight = permute_rows(weight, config.num_attention_heads)
         if arch == "llama" and hf_name.endswith("k_proj.weight"):
             weight = permute_rows(weight, config.num_key_value_heads)
-        if weight.ndim == 2 and matrix_type != gguf.GGMLQuantizationType.F32:
+        if weight.ndim == 2 and matrix_type.name in K_QUANT_SCALES:
+            writer.add_tensor(gguf_name(hf_name), random_k_quant_blocks(weight.shape, matrix_type, rng),
+                              raw_dtype=matrix_type)
+        elif weight.ndim == 2 and matrix_type != gguf.GGMLQuantizationType.F32:
             data = gguf.quants.quantize(weight, matrix_type)
             writer.add_tensor(gguf_name(hf_name), data, raw_dtype=matrix_type)
         else:

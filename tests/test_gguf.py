@@ -160,6 +160,28 @@ def test_llm_chat_on_a_gguf_directory_matches_transformers(case, tmp_path):
             print(f"{case.name} (seed {case.seed}): accepted tie: {tie}")
 
 
+def test_k_quants_match_transformers(tmp_path):
+    """Random blocks of every K-quant (256-wide rows; the matrices take the types in turn) dequantize to
+    transformers' weights exactly, and the logits agree."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    source = make_hf_model("llama2", tmp_path / "hf", seed=seed, hidden_size=256, intermediate_size=256,
+                           num_hidden_layers=1, num_key_value_heads=2, vocab_size=256)
+    kinds = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+    path = write_gguf(source, tmp_path / "model.gguf", kinds, tokenizer=None, seed=seed)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    loaded = load_model(str(path))
+    layer = loaded.params()["layers"][0]
+    ref_layer = ref.model.layers[0]
+    for module, proj in (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                         ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj")):
+        ours = np.asarray(layer[module][proj]["kernel"]).T
+        assert np.isfinite(ours).all() and np.abs(ours).max() > 0
+        assert np.array_equal(ours, getattr(getattr(ref_layer, module), proj).weight.detach().numpy()), proj
+    prompt = np.random.default_rng(seed).integers(0, 256, size=12).tolist()
+    [logits] = paged_greedy(loaded, [prompt], 1).prompt_logits
+    assert rel_err(logits, hf_logits(ref.eval(), prompt)) < 1e-4, f"seed {seed}"
+
+
 def test_dtype_is_the_files_or_the_requested_one(case):
     """Unasked, an all-F16 file stays float16; a quantized one dequantizes to float32."""
     own = "float16" if case.matrix_type == Q.F16 else "float32"
