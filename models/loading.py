@@ -1,4 +1,5 @@
-"""Load a model from a Hugging Face directory (safetensors) or a Ferry orbax checkpoint; save the latter.
+"""Load a model from a Hugging Face directory (safetensors), a GGUF file (models/gguf.py) or a Ferry orbax
+checkpoint; save the latter.
 
 Both forms come back as a `LoadedModel`: the config and the model split once (`nnx.split`) into a
 static graphdef and a state pytree, which is what the jitted step takes.
@@ -20,12 +21,12 @@ import shutil
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from safetensors import safe_open
 
 from models.config import ConfigError, ModelConfig, load_hf_config, max_context_len, read_json
+from models.packaged import resolve_packaged
 from models.transformer import Transformer
 
 FERRY_CONFIG = "ferry_config.json"
@@ -158,34 +159,47 @@ def _hf_to_ferry_name(hf_name: str) -> tuple[str, bool]:
 def load_hf(model_dir: str, dtype=None) -> LoadedModel:
     cfg, hf = load_hf_config(model_dir)
     dtype = _dtype(dtype) or _dtype(hf.get("dtype") or hf.get("torch_dtype") or "float32")
-    graphdef, abstract = abstract_model(cfg, dtype)
-    expected = _per_layer_leaves(abstract)
-    arrays = {}
+    return model_from_hf_tensors(cfg, dtype, _safetensors_tensors(model_dir), max_context_len(hf, cfg),
+                                 model_dir, f"{model_dir}/config.json")
+
+
+def _safetensors_tensors(model_dir: str):
+    """(file, HF name, numpy array in its stored dtype: bf16 stays bf16 via ml_dtypes), one at a time."""
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="numpy") as f:
             for hf_name in f.keys():
-                if hf_name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                name, transpose = _hf_to_ferry_name(hf_name)
-                if name == "lm_head.kernel" and cfg.tie_word_embeddings:
-                    continue  # tied: the embedding serves as the head
-                if name not in expected:
-                    raise ConfigError(f"{path}: tensor {hf_name!r} has no place in a {cfg.model_type} model "
-                                      f"built from {model_dir}/config.json")
-                host = f.get_tensor(hf_name)  # stored dtype; bf16 stays bf16 (ml_dtypes)
-                if transpose:
-                    host = host.T
-                want = expected[name]
-                if host.shape != want.shape:
-                    raise ConfigError(
-                        f"{path}: tensor {hf_name!r} has shape {list(f.get_slice(hf_name).get_shape())}, but "
-                        f"config.json implies {list(want.shape[::-1] if transpose else want.shape)}")
-                arrays[name] = jnp.asarray(host, dtype=dtype)  # casts on the way, never via float32
+                yield path, hf_name, f.get_tensor(hf_name)
+
+
+def model_from_hf_tensors(cfg: ModelConfig, dtype, tensors, max_model_len: int, path: str,
+                          config_source: str) -> LoadedModel:
+    """A LoadedModel from Hugging-Face-named host tensors in torch layout (Linear weights [out, in]).
+
+    `tensors` yields (where, HF name, numpy array); `where` (a file) and `config_source` (what the
+    shapes were derived from) only name things in errors. Every checkpoint format funnels through here,
+    so the HF name -> parameter tree mapping lives in one place."""
+    graphdef, abstract = abstract_model(cfg, dtype)
+    expected = _per_layer_leaves(abstract)  # per-layer names; _fill_state stacks them for the scan
+    arrays = {}
+    for where, hf_name, host in tensors:
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        name, transpose = _hf_to_ferry_name(hf_name)
+        if name == "lm_head.kernel" and cfg.tie_word_embeddings:
+            continue  # tied: the embedding serves as the head
+        if name not in expected:
+            raise ConfigError(f"{where}: tensor {hf_name!r} has no place in a {cfg.model_type} model "
+                              f"built from {config_source}")
+        want = expected[name].shape[::-1] if transpose else expected[name].shape
+        if tuple(host.shape) != tuple(want):
+            raise ConfigError(f"{where}: tensor {hf_name!r} has shape {list(host.shape)}, but "
+                              f"{config_source} implies {list(want)}")
+        arrays[name] = jnp.asarray(host.T if transpose else host, dtype=dtype)  # casts on the way
     missing = sorted(set(expected) - set(arrays))
     if missing:
-        raise ConfigError(f"{model_dir}: checkpoint lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise ConfigError(f"{path}: checkpoint lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     state = _fill_state(graphdef, abstract, arrays)
-    return LoadedModel(cfg, graphdef, state, max_context_len(hf, cfg), model_dir)
+    return LoadedModel(cfg, graphdef, state, max_model_len, path)
 
 
 # ---------------------------------------------------------------- Ferry orbax checkpoints
@@ -232,11 +246,20 @@ def load_checkpoint(ckpt_dir: str, dtype=None) -> LoadedModel:
 
 
 def load_model(path: str, dtype=None) -> LoadedModel:
-    """The one entry point: a Ferry checkpoint directory or a Hugging Face one."""
+    """The one entry point: a Ferry checkpoint directory, a Hugging Face one, or a GGUF file (or a
+    directory holding one .gguf and no config.json), or a packaged model's short name (models/packaged.py)."""
+    from models.gguf import find_gguf_file, load_gguf  # noqa: PLC0415 (gguf imports this module)
+
+    path = resolve_packaged(path)
+    if os.path.isfile(path) and find_gguf_file(path):
+        return load_gguf(path, dtype)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: model directory not found")
     if os.path.exists(os.path.join(path, FERRY_CONFIG)):
         return load_checkpoint(path, dtype)
     if os.path.exists(os.path.join(path, "config.json")):
         return load_hf(path, dtype)
-    raise FileNotFoundError(f"{path}: neither {FERRY_CONFIG} (Ferry checkpoint) nor config.json (Hugging Face)")
+    if gguf_file := find_gguf_file(path):
+        return load_gguf(gguf_file, dtype)
+    raise FileNotFoundError(f"{path}: neither {FERRY_CONFIG} (Ferry checkpoint) nor config.json (Hugging Face) "
+                            f"nor a .gguf file")

@@ -1,6 +1,6 @@
 """Tokenizers for Ferry: load a Hugging Face model directory's tokenizer and chat template.
 
-`load_tokenizer(model_dir)` picks the backend from what the directory holds:
+`load_tokenizer(model_dir)` picks the backend from what the directory holds (a GGUF file: models/gguf_tokenizer.py):
 
 * `tokenizer.json` -> the `tokenizers` library, exactly as transformers' fast tokenizer uses it
   (the post-processor in the JSON decides whether BOS/EOS are added);
@@ -122,6 +122,13 @@ class Tokenizer(abc.ABC):
             raise ChatTemplateError(f"{self.model_dir}: chat template raised an exception: {e}") from None
 
 
+    def encode_chat(self, messages: list[dict], **template_args: Any) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of a conversation: `apply_chat_template(messages, **template_args)`,
+        encoded without adding special tokens, since the template writes any BOS itself."""
+        text = self.apply_chat_template(messages, **template_args)
+        return text, self.encode(text, add_special_tokens=False)
+
+
 @dataclasses.dataclass(slots=True, kw_only=True)
 class HFTokenizer(Tokenizer):
     """A `tokenizer.json`, run by the `tokenizers` library."""
@@ -209,7 +216,13 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def load_tokenizer(model_dir: str) -> Tokenizer:
-    """The tokenizer of a Hugging Face model directory (`tokenizer.json`, else `tokenizer.model`)."""
+    """The tokenizer of a Hugging Face model directory (`tokenizer.json`, else `tokenizer.model`), or of a
+    GGUF file (or a directory holding one and neither file), built from its metadata (models/gguf_tokenizer.py)."""
+    if _gguf_without_tokenizer_files(model_dir):
+        from models.gguf import find_gguf_file  # noqa: PLC0415 (GGUF support imports this module)
+        from models.gguf_tokenizer import load_gguf_tokenizer  # noqa: PLC0415
+
+        return load_gguf_tokenizer(find_gguf_file(model_dir))
     tok_config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
     special_map = _read_json(os.path.join(model_dir, "special_tokens_map.json"))
     gen_config = _read_json(os.path.join(model_dir, "generation_config.json"))
@@ -314,6 +327,14 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
 
 
 # --- files ---------------------------------------------------------------------------------------
+
+
+def _gguf_without_tokenizer_files(path: str) -> bool:
+    if os.path.isfile(path):
+        return path.endswith(".gguf")
+    has_files = any(os.path.isfile(os.path.join(path, n)) for n in (TOKENIZER_JSON, SENTENCEPIECE_MODEL))
+    return not has_files and os.path.isdir(path) and any(n.endswith(".gguf") for n in os.listdir(path))
+
 
 
 def _read_json(path: str) -> dict:

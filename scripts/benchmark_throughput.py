@@ -39,7 +39,8 @@ p50/p99, and the prefix-cache hit rate; each run starts from an empty prefix cac
 
 A random Llama (--layers/--hidden/...) is saved with transformers' save_pretrained when the
 transformers backend is compared, and Ferry loads that same directory; otherwise Ferry builds it
-directly. --model=DIR runs a Hugging Face (or, without transformers, a Ferry) checkpoint.
+directly. --model=DIR runs a Hugging Face (or, without transformers, a Ferry) checkpoint, --model=FILE.gguf
+(or a packaged name: --model=smollm2) a GGUF file, which transformers loads with gguf_file=.
 
     python scripts/benchmark_throughput.py --compare=ferry,ferry-static,transformers --repeats=3 \
         --num_prompts=200 --json_out=throughput.json
@@ -77,7 +78,8 @@ flags.DEFINE_enum("workload", "random", WORKLOADS, "random prompts, prompts over
 flags.DEFINE_integer("shared_prefix_len", 1024, "shared_prefix / multi_turn: system prompt tokens")
 flags.DEFINE_integer("turns", 3, "multi_turn: turns per chat (--num_prompts chats)")
 # model
-flags.DEFINE_string("model", None, "checkpoint directory (Hugging Face or Ferry); default: a random Llama")
+flags.DEFINE_string("model", None, "checkpoint directory (Hugging Face or Ferry), .gguf file or packaged name "
+                    "(smollm2); default: a random Llama")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "model dtype (both backends)")
 flags.DEFINE_integer("layers", 4, "random model: layers")
 flags.DEFINE_integer("hidden", 256, "random model: hidden size")
@@ -245,8 +247,12 @@ class TransformersBackend:
         self.torch = torch
         torch.set_num_threads(threads)
         self.threads, self.device = threads, device
+        # A GGUF file goes through transformers' own GGUF reader (dequantized, as Ferry loads it).
+        where, gguf_file = (os.path.split(model_dir) if model_dir.endswith(".gguf") else (model_dir, None))
+        t0 = time.perf_counter()
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, torch_dtype)).to(device).eval()
+            where, gguf_file=gguf_file, dtype=getattr(torch, torch_dtype)).to(device).eval()
+        self.load_s = time.perf_counter() - t0
         self.pad_id = self.model.config.pad_token_id or 0  # masked out: its value does not matter
         # A fresh generation config: greedy, no EOS at all (so every row runs max_new_tokens), none of
         # the checkpoint's sampling defaults.
@@ -340,7 +346,8 @@ def prepare_model(backends: list[str], scratch: str) -> tuple[LoadedModel, str |
     if FLAGS.model:
         if "transformers" in backends and os.path.exists(os.path.join(FLAGS.model, FERRY_CONFIG)):
             raise app.UsageError("the transformers backend needs a Hugging Face checkpoint, not a Ferry one")
-        return load_model(FLAGS.model, FLAGS.dtype), FLAGS.model, FLAGS.model
+        model = load_model(FLAGS.model, FLAGS.dtype)  # a directory, a .gguf file or a packaged name (smollm2)
+        return model, model.path, model.path
     if "transformers" in backends:
         hf_dir = save_random_hf_llama(os.path.join(scratch, "random_llama"))
         return load_model(hf_dir, FLAGS.dtype), hf_dir, "random llama (save_pretrained)"
@@ -397,8 +404,8 @@ def time_backends(backends, requests) -> dict:
     results = {}
     for b in backends:
         compiles = CompileCounter.count
-        results[b.name] = {"warmup_s": b.warmup(), "warmup_compiles": CompileCounter.count - compiles,
-                           "repeats": []}
+        results[b.name] = {"load_s": getattr(b, "load_s", None), "warmup_s": b.warmup(),
+                           "warmup_compiles": CompileCounter.count - compiles, "repeats": []}
     for _ in range(FLAGS.repeats):
         for b in backends:
             results[b.name]["repeats"].append(run_metrics(b.run(requests), requests))
@@ -491,7 +498,9 @@ def main(argv):
                         FLAGS.static_batch, FLAGS.max_num_seqs)
     CompileCounter.install()
     with tempfile.TemporaryDirectory(prefix="ferry_bench_") as scratch:
+        t0 = time.perf_counter()
         model, hf_dir, source = prepare_model(names, scratch)
+        load_s = time.perf_counter() - t0  # Ferry's; transformers' is its backend's load_s
         requests = build_workload(model)
         config = engine_config(requests)
         backends = [make_backend(n, model, hf_dir, config) for n in names]
@@ -506,7 +515,7 @@ def main(argv):
             "benchmark": "throughput", "config": bc.flag_values(FLAGS), "backends_run": names,
             "environment": {**bc.environment(), "jax_backend": jax.default_backend(),
                             "jax_devices": [str(d) for d in jax.devices()]},
-            "model": {"source": source, "config": model.cfg.to_json(), "dtype": str(model.dtype),
+            "model": {"source": source, "config": model.cfg.to_json(), "dtype": str(model.dtype), "load_s": load_s,
                       "num_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(model.params())))},
             "engine_config": dataclasses.asdict(config), "workload": summary, "results": results,
             "ratios": ratios, "single_request": single})

@@ -166,7 +166,7 @@ def test_missing_model_dir_is_a_clear_error(tmp_path):
     missing = tmp_path / "no_such_model"
     proc = run_cli(f"--model={missing}", "--prompt=hi")
     assert proc.returncode == 2
-    assert f"--model={missing}: no such directory" in proc.stderr and "Traceback" not in proc.stderr
+    assert f"--model={missing}: no such file or directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_missing_default_model_says_to_pass_model(tmp_path, monkeypatch):
