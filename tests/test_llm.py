@@ -182,10 +182,14 @@ def test_repetition_penalty_matches_transformers(llama):
     seed, torch_model, loaded = llama
     llm = LLM(loaded, EngineConfig(**CONFIG))
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(3, 40, size=n).tolist() for n in (6, 19)]  # a small id range: many repeats
+    # A small id range: many repeats. Several prompts, since on a given random model the penalty may leave
+    # one greedy continuation unchanged (it only bites where the argmax is a repeated token).
+    prompts = [rng.integers(3, 40, size=n).tolist() for n in (6, 19, 9, 13, 25, 31)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, repetition_penalty=1.8, max_tokens=20,
                                                    ignore_eos=True), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
+    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    changed = 0
+    for prompt, out, plain_out in zip(prompts, outputs, plain):
         with torch.no_grad():
             ref = torch_model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
                                        repetition_penalty=1.8, output_scores=True, return_dict_in_generate=True,
@@ -195,9 +199,8 @@ def test_repetition_penalty_matches_transformers(llama):
         tie = check_greedy_match(out.outputs[0].token_ids, ref_tokens, scores)
         if tie:
             print(f"seed {seed}: accepted {tie}")
-        plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-                             use_tqdm=False)[0].outputs[0].token_ids
-        assert plain != out.outputs[0].token_ids, "the penalty should change this greedy continuation"
+        changed += plain_out.outputs[0].token_ids != out.outputs[0].token_ids
+    assert changed, "the penalty should change some greedy continuation"
 
 
 def test_cache_salt_and_reset_prefix_cache(llama):
