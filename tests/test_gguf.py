@@ -103,7 +103,7 @@ def test_config_and_weights_are_the_files(case):
     ref = dict(case.ref.named_parameters())
     src = dict(case.source.named_parameters())
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        ours = np.asarray(params["layers"][1]["self_attn"][proj]["kernel"]).T
+        ours = np.asarray(params["layers"]["self_attn"][proj]["kernel"][1]).T  # stacked [layer, ...]
         theirs = ref[f"model.layers.1.self_attn.{proj}.weight"].detach().numpy()
         assert np.array_equal(ours, theirs), f"{case.name} (seed {case.seed}): {proj} differs from transformers'"
         # Against the weights the file was written from: only the quantization error is left, so a wrong
@@ -170,7 +170,7 @@ def test_k_quants_match_transformers(tmp_path):
     path = write_gguf(source, tmp_path / "model.gguf", kinds, tokenizer=None, seed=seed)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     loaded = load_model(str(path))
-    layer = loaded.params()["layers"][0]
+    layer = jax.tree.map(lambda stacked: stacked[0], loaded.params()["layers"])  # layer 0 of the stack
     ref_layer = ref.model.layers[0]
     for module, proj in (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                          ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj")):
