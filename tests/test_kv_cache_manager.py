@@ -103,6 +103,22 @@ def test_at_least_the_last_prompt_token_is_computed():
     assert kv.cached_prefix(one) == []
 
 
+def test_a_request_scoring_its_prompt_gets_no_hits_but_publishes():
+    from engine.sampling_params import SamplingParams
+
+    kv = KVCacheManager(num_blocks=12, num_host_blocks=0, block_size=BLOCK)
+    prompt = random_tokens(2 * BLOCK + 1, seed=18)
+    a = make_request("a", prompt)
+    admit(kv, a)
+    compute_prefill(kv, a)
+    scoring = make_request("scoring", prompt)
+    scoring.params = SamplingParams(prompt_logprobs=1)
+    assert kv.cached_prefix(scoring) == []
+    plain = make_request("plain", prompt)
+    plain.params = SamplingParams(logprobs=1)
+    assert kv.cached_prefix(plain) == a.block_ids[:2]
+
+
 def test_exact_eviction_order_never_cached_first_then_lru_tail_before_head():
     kv = KVCacheManager(num_blocks=9, num_host_blocks=0, block_size=BLOCK)  # blocks 1..8
     a = make_request("a", random_tokens(3 * BLOCK + 1, seed=4))  # 3 cached + 1 partial

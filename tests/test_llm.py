@@ -64,7 +64,11 @@ def test_logprobs_match_reference_log_softmax(llama):
     seed, torch_model, loaded = llama
     prompt = np.random.default_rng(seed).integers(3, 384, size=15).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True)
-    out = LLM(loaded, EngineConfig(**CONFIG)).generate([prompt], params, use_tqdm=False)[0]
+    llm = LLM(loaded, EngineConfig(**CONFIG))
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    # Again, its prompt blocks now cached: a request scoring its prompt must still run (and score) all of it.
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.prompt_logprobs == out.prompt_logprobs and again.outputs[0].token_ids == out.outputs[0].token_ids
     tokens = out.outputs[0].token_ids
     ref = torch.log_softmax(torch.tensor(hf_logits(torch_model, prompt + tokens)), dim=-1).numpy()
     for i, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
