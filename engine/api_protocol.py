@@ -139,6 +139,7 @@ class _GenerationRequest(_RequestModel):
     priority: int | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    cache_salt: str | None = None              # prefix-cache namespace: only equal salts share cached blocks
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         param_names: dict[str, str]) -> SamplingParams:

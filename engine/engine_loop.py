@@ -121,6 +121,15 @@ class _Add:
     prompts: list[list[int]]
     params: SamplingParams
     arrival_time: float            # time.monotonic() when the server received the API request
+    cache_salt: str | None = None  # prefix-cache namespace (kv_cache_manager)
+
+
+@dataclasses.dataclass(slots=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread; its result (or error) settles `future` on `loop`."""
+    fn: Callable[[LLMEngine], object]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
 
 
 @dataclasses.dataclass(slots=True)
@@ -204,11 +213,21 @@ class EngineLoop:
             self._refusal = reason
 
     def add(self, stream: OutputStream, prompts: list[list[int]], params: SamplingParams,
-            arrival_time: float) -> None:
+            arrival_time: float, cache_salt: str | None = None) -> None:
         with self._lock:
             if not self._accepting:
                 raise EngineUnavailable(self._refusal)
-            self._commands.put(_Add(stream, prompts, params, arrival_time))
+            self._commands.put(_Add(stream, prompts, params, arrival_time, cache_salt))
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """fn(engine) on the engine thread (the only one that may touch the engine), awaited here."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if not self._accepting:
+                raise EngineUnavailable(self._refusal)
+            self._commands.put(_Call(fn, future, loop))
+        return await future
 
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(_Abort(request_ids))
@@ -235,6 +254,8 @@ class EngineLoop:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Call):
+                self._call(command)
             else:
                 self._abort(command.request_ids)
         if self.engine.has_unfinished():
@@ -262,7 +283,7 @@ class EngineLoop:
         added = []
         try:
             for request_id, prompt in zip(stream.request_ids, command.prompts):
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, cache_salt=command.cache_salt)
                 added.append(request_id)
         except Exception as e:  # all or nothing: a rejected prompt takes its siblings with it
             for request_id in added:
@@ -272,6 +293,17 @@ class EngineLoop:
         for request_id, prompt in zip(stream.request_ids, command.prompts):
             self._tracked[request_id] = _Tracked(stream, command.arrival_time, len(prompt), params.n)
         _call_soon(stream.loop, stream.settle, None)
+
+    def _call(self, command: _Call) -> None:
+        def settle(result, error):
+            if not command.future.done():
+                command.future.set_exception(error) if error is not None else command.future.set_result(result)
+
+        try:
+            result, error = command.fn(self.engine), None
+        except Exception as e:
+            result, error = None, e
+        _call_soon(command.loop, settle, result, error)
 
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -350,6 +382,8 @@ class EngineLoop:
                 return
             if isinstance(command, _Add):
                 _call_soon(command.stream.loop, command.stream.settle, error)
+            elif isinstance(command, _Call):
+                _call_soon(command.loop, command.future.set_exception, error)
 
 
 class _ThroughputLog:
@@ -379,8 +413,9 @@ class _ThroughputLog:
         if active or self._was_active:  # an idle server logs one all-zero line, then stays quiet
             log.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                      "Running: %d reqs, Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-                     "host KV cache usage: %.1f%%", self._prompt_tokens / elapsed,
+                     "host KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%", self._prompt_tokens / elapsed,
                      self._generation_tokens / elapsed, stats["num_running"], stats["num_swapped"],
-                     stats["num_waiting"], 100 * stats["kv_usage"], 100 * stats.get("host_usage", 0.0))
+                     stats["num_waiting"], 100 * stats["kv_usage"], 100 * stats.get("host_usage", 0.0),
+                     100 * stats.get("prefix_cache_hit_rate", 0.0))
         self._was_active = active
         self._last_log, self._prompt_tokens, self._generation_tokens = now, 0, 0

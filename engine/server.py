@@ -15,8 +15,8 @@ others go on; a fault the engine cannot isolate ends the process non-zero (`on_f
 Shutdown (`drain`): stop accepting (503), let running requests finish for up to `shutdown_timeout_s`, then
 end every open stream with an error event and [DONE] and every waiting non-streamed request with JSON.
 
-Endpoints: POST /v1/completions, /v1/chat/completions (both with `stream`), GET /v1/models, /health,
-/metrics, and vLLM's POST /tokenize, /detokenize.
+Endpoints: POST /v1/completions, /v1/chat/completions (both with `stream`, and vLLM's `cache_salt`), GET
+/v1/models, /health, /metrics, and vLLM's POST /tokenize, /detokenize, /reset_prefix_cache.
 """
 
 import asyncio
@@ -212,7 +212,7 @@ class OpenAIServer:
     # ------------------------------------------------------------ submission
 
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                     arrival_time: float, prompt_param: str) -> OutputStream:
+                     arrival_time: float, prompt_param: str, cache_salt: str | None = None) -> OutputStream:
         """Admit and queue the request; returns once the engine thread accepted it (a rejection is a 400)."""
         if not self.admission.admit(len(prompts)):
             raise APIError(503, f"The server is busy: {self.admission.num_waiting} requests are waiting "
@@ -223,7 +223,7 @@ class OpenAIServer:
         self.open_streams.add(stream)
         stream.on_close = self.open_streams.discard
         try:
-            self.engine_loop.add(stream, prompts, params, arrival_time)
+            self.engine_loop.add(stream, prompts, params, arrival_time, cache_salt)
             await stream.accepted
         except BaseException as e:  # rejected, engine gone, or the client gone while we waited
             stream.close()
@@ -265,7 +265,7 @@ class OpenAIServer:
         prompts = await self.completion_prompts(body.prompt)
         self.check_lengths(prompts, body.max_tokens, params.n, "prompt", "max_tokens")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self.submit(request_id, prompts, params, arrival, "prompt")
+        stream = await self.submit(request_id, prompts, params, arrival, "prompt", body.cache_salt)
         builder = CompletionBuilder(request_id, self.config.served_model_name, stream, params.n, prompts,
                                     self.tokenizer, params.logprobs)
         return await self.respond(stream, builder, body.stream, body.include_usage)
@@ -284,7 +284,7 @@ class OpenAIServer:
         prompt = await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
         self.check_lengths([prompt], max_tokens, params.n, "messages", body.max_tokens_param)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self.submit(request_id, [prompt], params, arrival, "messages")
+        stream = await self.submit(request_id, [prompt], params, arrival, "messages", body.cache_salt)
         builder = ChatBuilder(request_id, self.config.served_model_name, stream, params.n, [prompt],
                               self.tokenizer, params.logprobs)
         return await self.respond(stream, builder, body.stream, body.include_usage)
@@ -297,6 +297,13 @@ class OpenAIServer:
     async def health(self) -> Response:
         if not self.engine_loop.is_alive:
             return as_api_error(EngineUnavailable("the engine is not running")).response()
+        return Response(status_code=200)
+
+    async def reset_prefix_cache(self) -> Response:
+        """vLLM's POST /reset_prefix_cache: forget every cached block; refused (409) while requests hold some."""
+        if not await self.engine_loop.call(lambda engine: engine.reset_prefix_cache()):
+            raise APIError(409, "cached blocks are in use by running requests; retry when they finish",
+                           type="invalid_request_error", code="prefix_cache_in_use")
         return Response(status_code=200)
 
     async def prometheus_metrics(self) -> Response:
@@ -429,6 +436,7 @@ def build_app(engine: LLMEngine, config: ServerConfig,
     app.add_api_route("/metrics", server.prometheus_metrics, methods=["GET"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/reset_prefix_cache", server.reset_prefix_cache, methods=["POST"])
     if config.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(_BodyLimitMiddleware, max_bytes=config.max_request_bytes)  # outermost: before anything

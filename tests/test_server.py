@@ -402,3 +402,26 @@ def test_serve_command_line(model_dir, tmp_path):
     log = (tmp_path / "err").read_text()
     assert process.returncode == 0 and "Traceback" not in log, log
     assert "Application shutdown complete" in log and "Avg generation throughput" in log
+
+
+def test_prefix_cache_salt_and_reset(server):
+    """vLLM's `cache_salt` separates prefix caches between tenants, and POST /reset_prefix_cache empties the
+    cache: hits (counted in /metrics) only for a repeat under the same salt, none after a reset."""
+    prompt = " ".join(WORDS * 3)  # several full blocks of 16 tokens
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0, **NO_EOS}
+
+    def hits_of(extra: dict) -> float:
+        server.settle()
+        before = metrics(server)
+        response = post(server, "/v1/completions", {**body, **extra})
+        assert response.status_code == 200, response.text
+        server.settle()
+        return delta(before, metrics(server), "ferry:prefix_cache_hits_total")
+
+    assert post(server, "/reset_prefix_cache", {}).status_code == 200
+    assert hits_of({"cache_salt": "alice"}) == 0
+    assert hits_of({"cache_salt": "bob"}) == 0        # another tenant's blocks are not shared
+    assert hits_of({"cache_salt": "alice"}) > 0
+    assert post(server, "/reset_prefix_cache", {}).status_code == 200
+    assert hits_of({"cache_salt": "alice"}) == 0      # forgotten
+    assert post(server, "/v1/completions", {**body, "cache_salt": 7}).json()["error"]["param"] == "cache_salt"
