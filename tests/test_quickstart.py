@@ -49,8 +49,8 @@ def test_embedded_model_loads_with_its_tokenizer():
 
 
 def test_make_serve_on_a_clean_copy(tmp_path):
-    """`make serve` in a fresh copy of the tracked files serves the embedded model; one completion
-    through the OpenAI client comes back non-empty. The copy reuses this test run's environment
+    """`make serve` in a fresh copy of the tracked files serves SmolLM2-135M-Instruct: asked "What is the
+    capital of France?" through the OpenAI client, it answers with Paris, streamed and not. The copy reuses this test run's environment
     (make -o: the install step counts as done) rather than installing a second one."""
     copy = tmp_path / "ferry"
     for name in _tracked_files():
@@ -75,9 +75,14 @@ def test_make_serve_on_a_clean_copy(tmp_path):
             time.sleep(1)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         model_name = client.models.list().data[0].id
-        reply = client.completions.create(model=model_name, prompt="def", max_tokens=16, temperature=0)
-        assert reply.choices[0].text.strip()
-        assert reply.usage.completion_tokens > 0
+        assert model_name == "smollm2"
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        reply = client.chat.completions.create(model=model_name, messages=question, max_tokens=24, temperature=0)
+        assert "Paris" in reply.choices[0].message.content and reply.choices[0].finish_reason == "stop"
+        streamed = client.chat.completions.create(model=model_name, messages=question, max_tokens=24, temperature=0,
+                                                  stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+            reply.choices[0].message.content
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
