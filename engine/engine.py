@@ -193,7 +193,8 @@ class LLMEngine:
         log.info("start-up took %.1f s: model %.1f s; KV cache %.1f s (%d blocks, %.2f GiB); warm-up=%s %.1f s "
                  "(%d programs compiled, %d loaded from the persistent compilation cache)",
                  time.perf_counter() - started, load_s, cache_s, num_blocks, kv_gib, config.warmup, warmup_s,
-                 counter.count - compiled, counter.cache_hits - loaded)
+                 # jax reports a compile event for a program read from the cache too
+                 counter.count - compiled - (counter.cache_hits - loaded), counter.cache_hits - loaded)
 
     def warmup(self, sampling: bool = True, background: bool = False) -> float:
         """Compile every step shape now (ModelRunner.warmup); EngineConfig.warmup does it in __init__."""

@@ -353,8 +353,8 @@ class ModelRunner:
 # ------------------------------------------------------------------ compile counting
 
 class CompileCounter:
-    """Counts XLA backend compilations through jax.monitoring (one event per compiled executable), and
-    executables loaded from the persistent compilation cache instead (not compilations)."""
+    """Counts XLA backend compilations through jax.monitoring (one event per compiled executable). A
+    program loaded from the persistent compilation cache fires that event too; `cache_hits` counts those."""
 
     EVENT = "/jax/core/compile/backend_compile_duration"
     CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"

@@ -165,7 +165,11 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)
 
         def body(c, inputs):
-            layer_state, x = inputs
+            # The barrier materialises this layer's weights once (a copy of one layer): left fusible,
+            # XLA CPU folds the scan's dynamic-slice into each matmul, which then leaves the fast
+            # library dot for a generic loop. CPU time per step against the unrolled layers: decode
+            # +26% and prefill +36% without it, +8% and -4% with it.
+            layer_state, x = jax.lax.optimization_barrier(inputs)
             return fn(nnx.merge(graphdef, layer_state), c, x), None
 
         return jax.lax.scan(body, carry, (stacked, xs))[0]
