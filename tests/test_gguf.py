@@ -182,6 +182,20 @@ def test_k_quants_match_transformers(tmp_path):
     assert rel_err(logits, hf_logits(ref.eval(), prompt)) < 1e-4, f"seed {seed}"
 
 
+def test_linear_rope_scaling_from_metadata(tmp_path):
+    """{arch}.rope.scaling.type/factor become the config's linear rope scaling (transformers' GGUF reader
+    drops them, so the reference is the float32 model the file was written from)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rope = dict(rope_type="linear", factor=4.0, rope_theta=10000.0)
+    source = make_hf_model("llama2", tmp_path / "hf", seed=seed, rope_parameters=rope, num_key_value_heads=2)
+    path = write_gguf(source, tmp_path / "model.gguf", Q.F32, tokenizer=None)
+    loaded = load_model(str(path))
+    assert dict(loaded.cfg.rope_scaling) == {"rope_type": "linear", "factor": 4.0}
+    prompt = np.random.default_rng(seed).integers(3, 384, size=40).tolist()
+    [logits] = paged_greedy(loaded, [prompt], 1).prompt_logits
+    assert rel_err(logits, hf_logits(source, prompt)) < 1e-4, f"seed {seed}"
+
+
 def test_dtype_is_the_files_or_the_requested_one(case):
     """Unasked, an all-F16 file stays float16; a quantized one dequantizes to float32."""
     own = "float16" if case.matrix_type == Q.F16 else "float32"
