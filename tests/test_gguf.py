@@ -34,10 +34,12 @@ LLAMA2_CHAT = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' 
                "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 CHATS = [
     [{"role": "user", "content": "hello world"}],
-    [{"role": "system", "content": "the quick brown fox"}, {"role": "user", "content": "  café über 中文 😀 1234"},
+    [{"role": "system", "content": "the quick brown fox"},
+     {"role": "user", "content": "  café über 中文 😀 1234"},
      {"role": "assistant", "content": "ferry jax\n\nnaïve"}, {"role": "user", "content": "résumé\ttokenizer"}],
 ]
-TEXTS = ["hello world", "  the quick\n\nbrown fox  ", "café über naïve Grüße 中文 测试 日本語 😀🚀 1234 56",
+TEXTS = ["hello world", "  the quick\n\nbrown fox  ",
+         "café über naïve Grüße 中文 测试 日本語 😀🚀 1234 56",
          "ferry<|im_end|>jax", "</s>hello<s> world", "emoji\ta  of\n1234567"]
 
 
