@@ -188,7 +188,7 @@ def hf_config(meta: dict, tensor_names: set[str], source: str) -> dict:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensor_names,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "eos_token_id": list(eos_token_ids(meta)),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
     if vocab is None:
@@ -199,6 +199,12 @@ def hf_config(meta: dict, tensor_names: set[str], source: str) -> dict:
     elif scaling != "none":
         raise ConfigError(f"{source}: {arch}.rope.scaling.type {scaling!r} is not supported (none, linear)")
     return hf
+
+
+def eos_token_ids(meta: dict) -> tuple[int, ...]:
+    """EOS, then end-of-turn if the file names a different one (llama.cpp stops on both)."""
+    ids = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 # ---------------------------------------------------------------- tensors

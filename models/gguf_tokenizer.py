@@ -1,4 +1,4 @@
-"""The tokenizer a GGUF file describes in its metadata, built as a `tokenizers.Tokenizer` (models.tokenizer.HFTokenizer).
+"""The tokenizer a GGUF file describes in its metadata: a `tokenizers.Tokenizer` in models.tokenizer.HFTokenizer.
 
 * `tokenizer.ggml.model = gpt2`: byte-level BPE from `tokens` and `merges`, the text split by the regex
   llama.cpp uses for the pre-tokenizer named in `tokenizer.ggml.pre`;
@@ -14,7 +14,7 @@ import logging
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from models.gguf import read_gguf
+from models.gguf import eos_token_ids, read_gguf
 from models.tokenizer import HFTokenizer, TokenizerError
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
@@ -54,22 +54,17 @@ def load_gguf_tokenizer(path: str) -> HFTokenizer:
         i = meta.get(f"tokenizer.ggml.{key}")
         return (tokens[i], i) if i is not None and 0 <= i < len(tokens) else (None, None)
 
-    (bos, bos_id), (eos, eos_id), (pad, pad_id) = token("bos_token_id"), token("eos_token_id"), token("padding_token_id")
+    (bos, bos_id), (eos, eos_id) = token("bos_token_id"), token("eos_token_id")
+    pad, pad_id = token("padding_token_id")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     backend.post_processor = _post_processor(kind, bos if add_bos else None, bos_id, eos if add_eos else None, eos_id)
     names = {"bos_token": bos, "eos_token": eos, "unk_token": token("unknown_token_id")[0], "pad_token": pad}
     return HFTokenizer(
         backend=backend, model_dir=path, vocab_size=backend.get_vocab_size(with_added_tokens=True),
-        bos_token=bos, eos_token=eos, pad_token=pad, bos_token_id=bos_id, eos_token_ids=eos_ids(meta),
+        bos_token=bos, eos_token=eos, pad_token=pad, bos_token_id=bos_id, eos_token_ids=eos_token_ids(meta),
         pad_token_id=pad_id, special_tokens={k: v for k, v in names.items() if v is not None},
         chat_templates=chat_templates(meta))
-
-
-def eos_ids(meta: dict) -> tuple[int, ...]:
-    """EOS, then end-of-turn if the file names a different one (llama.cpp stops on both)."""
-    ids = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
-    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def chat_templates(meta: dict) -> dict[str, str]:

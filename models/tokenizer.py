@@ -121,7 +121,6 @@ class Tokenizer(abc.ABC):
         except _TemplateRaised as e:
             raise ChatTemplateError(f"{self.model_dir}: chat template raised an exception: {e}") from None
 
-
     def encode_chat(self, messages: list[dict], **template_args: Any) -> tuple[str, list[int]]:
         """(prompt text, token ids) of a conversation: `apply_chat_template(messages, **template_args)`,
         encoded without adding special tokens, since the template writes any BOS itself."""

@@ -68,6 +68,9 @@ def write_gguf(torch_model, path, matrix_types, tokenizer: dict | None, seed: in
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    if config.rope_parameters.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if tokenizer is not None:

@@ -34,10 +34,12 @@ LLAMA2_CHAT = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' 
                "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 CHATS = [
     [{"role": "user", "content": "hello world"}],
-    [{"role": "system", "content": "the quick brown fox"}, {"role": "user", "content": "  café über 中文 😀 1234"},
+    [{"role": "system", "content": "the quick brown fox"},
+     {"role": "user", "content": "  café über 中文 😀 1234"},
      {"role": "assistant", "content": "ferry jax\n\nnaïve"}, {"role": "user", "content": "résumé\ttokenizer"}],
 ]
-TEXTS = ["hello world", "  the quick\n\nbrown fox  ", "café über naïve Grüße 中文 测试 日本語 😀🚀 1234 56",
+TEXTS = ["hello world", "  the quick\n\nbrown fox  ",
+         "café über naïve Grüße 中文 测试 日本語 😀🚀 1234 56",
          "ferry<|im_end|>jax", "</s>hello<s> world", "emoji\ta  of\n1234567"]
 
 
@@ -75,6 +77,7 @@ def case(request, tmp_path_factory) -> Case:
     (tmp / "gguf").mkdir()
     path = write_gguf(source, tmp / "gguf" / "model.gguf", matrix_type, vocab)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ref.generation_config.eos_token_id = None  # greedy runs the full length (the file names an EOS)
     return Case(request.param, seed, path, source, ref.eval(), matrix_type)
 
 
@@ -180,6 +183,20 @@ def test_k_quants_match_transformers(tmp_path):
     prompt = np.random.default_rng(seed).integers(0, 256, size=12).tolist()
     [logits] = paged_greedy(loaded, [prompt], 1).prompt_logits
     assert rel_err(logits, hf_logits(ref.eval(), prompt)) < 1e-4, f"seed {seed}"
+
+
+def test_linear_rope_scaling_from_metadata(tmp_path):
+    """{arch}.rope.scaling.type/factor become the config's linear rope scaling (transformers' GGUF reader
+    drops them, so the reference is the float32 model the file was written from)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rope = dict(rope_type="linear", factor=4.0, rope_theta=10000.0)
+    source = make_hf_model("llama2", tmp_path / "hf", seed=seed, rope_parameters=rope, num_key_value_heads=2)
+    path = write_gguf(source, tmp_path / "model.gguf", Q.F32, tokenizer=None)
+    loaded = load_model(str(path))
+    assert dict(loaded.cfg.rope_scaling) == {"rope_type": "linear", "factor": 4.0}
+    prompt = np.random.default_rng(seed).integers(3, 384, size=40).tolist()
+    [logits] = paged_greedy(loaded, [prompt], 1).prompt_logits
+    assert rel_err(logits, hf_logits(source, prompt)) < 1e-4, f"seed {seed}"
 
 
 def test_dtype_is_the_files_or_the_requested_one(case):
