@@ -207,8 +207,7 @@ def test_detokenizer_fault_ends_its_request_only(tmp_path_factory, monkeypatch):
 
 def test_lost_device_state_is_fatal(llm, prompts, monkeypatch):
     """A fault after the donated cache was consumed cannot be isolated: EngineDeadError, not silent garbage."""
-    engine = llm.engine
-    original = ModelRunner.run
+    engine = LLM(llm.engine.model, EngineConfig(**CONFIG)).engine  # its own: this one's cache is destroyed
 
     def run(self, prefills, decodes):
         for leaf in __import__("jax").tree.leaves(self.kv_cache):
@@ -219,7 +218,6 @@ def test_lost_device_state_is_fatal(llm, prompts, monkeypatch):
     monkeypatch.setattr(ModelRunner, "run", run)
     with pytest.raises(EngineDeadError, match="device state lost"):
         engine.step()
-    monkeypatch.setattr(ModelRunner, "run", original)
 
 
 # ---------------------------------------------------------------------- hypothesis: any SamplingParams
