@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams, SamplingParamsError, is_valid_unicode
 
 log = logging.getLogger("ferry.server")
 
@@ -74,11 +74,7 @@ def _invalid_unicode(value) -> str | None:
     """The first string (or dict key) in `value` that is not valid Unicode: JSON's "\\ud800" escapes
     decode to lone surrogates, which no tokenizer (nor UTF-8) can take."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return value
-        return None
+        return None if is_valid_unicode(value) else value
     if isinstance(value, BaseModel):
         value = [*value.__dict__.values(), *(value.__pydantic_extra__ or {}).items()]
     if isinstance(value, dict):

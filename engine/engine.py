@@ -23,7 +23,7 @@ WARMUP_MODES = ("full", "lazy", "none")
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import Request
 from engine.runner import CompileCounter, ModelRunner, RunnerOutput, kv_bytes_per_block, num_blocks_for_memory
-from engine.sampling_params import MAX_SEED, SamplingParams, SamplingParamsError
+from engine.sampling_params import MAX_SEED, SamplingParams, SamplingParamsError, is_valid_unicode
 from engine.scheduler import Scheduler, SchedulerConfig
 from models.loading import LoadedModel, load_model
 from models.tokenizer import Tokenizer, load_tokenizer
@@ -246,11 +246,8 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer: pass prompt token ids")
             if not prompt:
                 raise SamplingParamsError("prompt", "the prompt is empty")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise SamplingParamsError("prompt", f"the prompt is not valid Unicode: {e.reason} at "
-                                          f"character {e.start}") from None
+            if not is_valid_unicode(prompt):
+                raise SamplingParamsError("prompt", "the prompt is not valid Unicode (it holds a lone surrogate)")
             return prompt, self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
         if not ids:

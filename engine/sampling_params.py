@@ -110,7 +110,7 @@ class SamplingParams:
     def _validate_stops(self):
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
                  f"stop strings must be non-empty strings, got {self.stop[:8]!r}")
-        _require(all(_is_utf8(s) for s in self.stop), "stop", "stop strings must be valid Unicode (no lone surrogates)")
+        _require(all(is_valid_unicode(s) for s in self.stop), "stop", "stop strings must be valid Unicode (no lone surrogates)")
         _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                  f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -128,7 +128,7 @@ def _is_int(value, maximum: int = INT32_MAX) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool) and -maximum - 1 <= value <= maximum
 
 
-def _is_utf8(text: str) -> bool:
+def is_valid_unicode(text: str) -> bool:
     """False for strings no tokenizer can encode: lone surrogates ("\ud800") that JSON can carry."""
     try:
         text.encode("utf-8")
