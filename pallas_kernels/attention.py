@@ -1,15 +1,19 @@
 """One entry point for paged attention; picks the implementation by backend.
 
-  gpu -> Pallas kernels lowered through Triton (paged_attention.py / prefill_attention.py)
+  gpu -> Pallas kernels lowered through Triton (paged_attention.py / prefill_attention.py); on a
+         jax without Pallas' Triton backend (deprecated in 0.11), the same algorithm written in
+         Triton's language and called through jax_triton (jax_triton_attention.py)
   tpu -> the Mosaic TPU ragged paged-attention kernel (tpu_attention.py), also when "pallas" is
          asked for on a TPU
   cpu -> the native C++ kernel (an XLA FFI custom call, native.py) where it is built and takes
          the dtype, else the plain-jnp reference
 
 `impl` forces one: "reference", "native", "pallas" (Triton), "pallas_interpret" (the Triton
-kernels in Pallas interpret mode), "pallas_tpu" (Mosaic, TPU only) or "pallas_tpu_interpret"
-(the TPU kernel in the TPU interpreter). The interpret modes run anywhere: they are how the CPU
-tests exercise the kernels.
+kernels in Pallas interpret mode), "pallas_tpu" (Mosaic, TPU only), "pallas_tpu_interpret"
+(the TPU kernel in the TPU interpreter) or "jax_triton" (CUDA only; needs the `triton` and
+`jax-triton` packages). The interpret modes run anywhere: they are how the CPU tests exercise
+the kernels (the jax_triton kernel's CPU checks run it in Triton's own interpreter on host
+arrays, outside jit: jax_triton_attention.run_interpreted).
 
 The two kernel families differ because the hardware does: the Triton kernels read K/V with
 masked pointer gathers (page id -> token, head, feature); Mosaic TPU has no vector gathers, so
@@ -22,8 +26,10 @@ from pallas_kernels import native, reference
 from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.prefill_attention import paged_prefill_attention
 from pallas_kernels.tpu_attention import ragged_paged_attention_tpu
+from pallas_kernels.triton_common import pallas_triton_available
 
-IMPLS = ("reference", "native", "pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret")
+IMPLS = ("reference", "native", "pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret",
+         "jax_triton")
 
 
 def default_impl(backend: str | None = None, dtype=None) -> str:
@@ -31,7 +37,7 @@ def default_impl(backend: str | None = None, dtype=None) -> str:
     if backend == "tpu":
         return "pallas_tpu"
     if backend != "cpu":
-        return "pallas"
+        return "pallas" if pallas_triton_available() else "jax_triton"
     if native.available() and (dtype is None or native.supports(dtype, dtype)):
         return "native"
     return "reference"
@@ -59,6 +65,11 @@ def paged_attention(
             q, k_pages, v_pages, block_tables, context_lens, None if decode else query_start_loc,
             decode=decode, scale=scale, soft_cap=soft_cap,
             interpret=impl == "pallas_tpu_interpret")
+    if impl == "jax_triton":
+        from pallas_kernels.jax_triton_attention import paged_attention_jax_triton  # needs triton
+        return paged_attention_jax_triton(
+            q, k_pages, v_pages, block_tables, context_lens, query_start_loc, decode=decode,
+            scale=scale, soft_cap=soft_cap)
     if impl == "native":
         fn = native.paged_decode_attention_native if decode else native.paged_prefill_attention_native
         args = (block_tables, context_lens) if decode else (block_tables, context_lens, query_start_loc)

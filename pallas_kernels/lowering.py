@@ -27,6 +27,17 @@ class Target:
     num_cores: int    # SMs (GPU) or TensorCores per chip (TPU)
 
 
+# The attention head shapes the lowering checks cover (tests, scripts/kernel_tables.py):
+# name: (num_q_heads, num_kv_heads, head_dim)
+MODEL_HEAD_SHAPES = {
+    "llama3-8b": (32, 8, 128),
+    "qwen2.5-7b": (28, 4, 128),
+    "gemma-2b": (8, 1, 256),
+    "head_dim-64": (14, 2, 64),
+    "head_dim-80": (32, 32, 80),
+    "head_dim-96": (24, 8, 96),
+}
+
 # Default targets: the GPU the team borrows, and a current TPU generation.
 TARGETS = {
     "cuda": Target("cuda", "NVIDIA H200", 132),

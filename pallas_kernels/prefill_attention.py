@@ -100,7 +100,7 @@ def _prefill_kernel(
                  normalise(acc, l).astype(o_ref.dtype), row_ok[:, None] & col_ok[None, :])
 
 
-def _tile_table(query_start_loc, context_lens, num_tokens: int, block_q: int, num_tiles: int):
+def tile_table(query_start_loc, context_lens, num_tokens: int, block_q: int, num_tiles: int):
     """[num_tiles, 5] int32 rows (first row, end row, position of first row, context, seq).
 
     Segments are the S sequences plus the padding rows [qsl[S], T) as a context-0 segment; each
@@ -175,7 +175,7 @@ def paged_prefill_attention(
 
     # Each of the S + 1 segments adds at most one partial tile.
     num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs + 1
-    tiles = _tile_table(query_start_loc, context_lens, num_tokens, block_q, num_tiles)
+    tiles = tile_table(query_start_loc, context_lens, num_tokens, block_q, num_tiles)
 
     inputs = [tiles, q, k_pages, v_pages, block_tables.astype(jnp.int32)]
     kernel = functools.partial(

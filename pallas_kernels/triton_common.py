@@ -17,14 +17,22 @@ from jax.experimental import pallas as pl
 
 try:  # jax >= 0.4.3x: the Triton backend lives in pallas.triton
     from jax.experimental.pallas import triton as plgpu
-except ImportError:  # older releases called it pallas.gpu
-    from jax.experimental.pallas import gpu as plgpu
+except ImportError:
+    try:  # older releases called it pallas.gpu
+        from jax.experimental.pallas import gpu as plgpu
+    except ImportError:  # deprecated in jax 0.11: once it is gone, GPUs run jax_triton_attention.py
+        plgpu = None
 
 MASK_VALUE = -1e30  # finite, so masked scores never make inf - inf = NaN in the softmax
 MIN_DOT_DIM = 16  # Triton's tl.dot needs every operand dimension >= 16
 
 
 # ----------------------------------------------------------------------------- compat helpers
+
+
+def pallas_triton_available() -> bool:
+    """Whether this jax still has Pallas' Triton backend (deprecated in 0.11)."""
+    return plgpu is not None
 
 
 def triton_compiler_params(num_warps: int, num_stages: int):

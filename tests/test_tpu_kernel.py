@@ -35,7 +35,7 @@ from attention_cases import (  # noqa: F401  (seed is a fixture)
 )
 from pallas_kernels import tpu_attention
 from pallas_kernels.attention import paged_attention
-from pallas_kernels.lowering import TPU_CALL_TARGET, export_for
+from pallas_kernels.lowering import MODEL_HEAD_SHAPES, TPU_CALL_TARGET, export_for
 from pallas_kernels.reference import paged_decode_attention_ref
 from pallas_kernels.tpu_attention import ragged_paged_attention_tpu, sublane_multiple
 
@@ -164,22 +164,13 @@ def test_bad_block_q_names_the_field():
 
 # ----------------------------------------------------------------------------- lowering for TPU
 
-# name: (num_q_heads, num_kv_heads, head_dim)
-MODEL_SHAPES = {
-    "llama3-8b": (32, 8, 128),
-    "qwen2.5-7b": (28, 4, 128),
-    "gemma-2b": (8, 1, 256),
-    "head_dim-64": (14, 2, 64),
-    "head_dim-80": (32, 32, 80),
-    "head_dim-96": (24, 8, 96),
-}
 NUM_BLOCKS, BLOCK_SIZE, NUM_SEQS, TABLE_WIDTH, NUM_TOKENS = 512, 16, 8, 64, 256
 
 
-@pytest.mark.parametrize("model", list(MODEL_SHAPES))
+@pytest.mark.parametrize("model", list(MODEL_HEAD_SHAPES))
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 def test_lowers_for_tpu(model, decode):
-    hq, hkv, d = MODEL_SHAPES[model]
+    hq, hkv, d = MODEL_HEAD_SHAPES[model]
     soft_cap = 50.0 if model.startswith("gemma") else None
     cache = jax.ShapeDtypeStruct((NUM_BLOCKS, BLOCK_SIZE, hkv, d), jnp.bfloat16)
     specs = (jax.ShapeDtypeStruct((NUM_SEQS if decode else NUM_TOKENS, hq, d), jnp.bfloat16),
