@@ -34,14 +34,15 @@ JAX011 = jax==0.11.2 jaxlib==0.11.2
 # Test files needing no torch; modules that import tests/hf_models.py skip themselves (by reason).
 # The device-check smoke tests (scripts, same kernels) run in `make test` only, for CI time.
 JAX011_TESTS ?= tests/test_kernels.py tests/test_native_kernel.py tests/test_cuda_lowering.py \
-	tests/test_tpu_kernel.py tests/test_paged_forward.py tests/test_models.py
+	tests/test_tpu_kernel.py tests/test_paged_forward.py tests/test_models.py \
+	tests/test_jax_triton_call.py
 
 $(VENV_JAX011)/bin/python:
 	$(PYTHON312) -m venv $(VENV_JAX011)
 	$(VENV_JAX011)/bin/python -m pip install -q --upgrade pip
 
 $(VENV_JAX011)/.installed: pyproject.toml setup.py | $(VENV_JAX011)/bin/python
-	$(VENV_JAX011)/bin/python -m pip install -q -e ".[test-core]" $(JAX011)
+	$(VENV_JAX011)/bin/python -m pip install -q -e ".[test-core,triton-kernels]" $(JAX011)
 	touch $@
 
 .PHONY: serve test test-jax011

@@ -282,16 +282,17 @@ def run_interpreted(q, k_pages, v_pages, block_tables, context_lens, query_start
             return torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16)
         return torch.from_numpy(np.array(x))
 
-    q_h = host(q)
-    out = torch.full_like(q_h, float("nan"))
+    # The output is float32 here, rounded to q's dtype by jnp below: the interpreter's own
+    # float32 -> bfloat16 cast truncates, where the GPU's rounds to nearest even.
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32)
     # Triton 3.9's interpreter multiplies bfloat16's raw bits in tl.dot (it stores bf16 as
     # uint16), so here the dots take float32 copies of the same 16-bit values: products of two
     # bf16 numbers are exact in float32, as in the tensor-core dot with float32 accumulation.
     constexprs = {**launch.constexprs, "DOT_IN_F32": jnp.dtype(q.dtype).itemsize < 4}
     with _interpreted() as kernel:
-        kernel[launch.grid](host(tiles), q_h, host(k_pages), host(v_pages),
+        kernel[launch.grid](host(tiles), host(q), host(k_pages), host(v_pages),
                             host(block_tables.astype(jnp.int32)), out, **constexprs)
-    return jnp.asarray(out.float().numpy()).astype(q.dtype)
+    return jnp.asarray(out.numpy()).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------- compile only

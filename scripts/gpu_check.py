@@ -6,6 +6,13 @@ and bandwidth against the device's own copy bandwidth measured in the same run.
   python scripts/gpu_check.py --json_out out.json  # also write the results as JSON
   python scripts/gpu_check.py --smoke              # tiny shapes, interpret mode, any backend
 
+Kernels: the Pallas-Triton decode and prefill kernels (paged_attention.py, prefill_attention.py),
+then the same cases through the Triton-language kernel called by jax_triton.triton_call
+(jax_triton_attention.py), when the `jax-triton` package imports here; otherwise its rows are
+replaced by one line saying why (e.g. "jax-triton: not installed"), which does not fail the run.
+On a jax without Pallas' Triton backend the Pallas rows are skipped the same way. --smoke skips
+jax-triton (triton_call needs a GPU; tests/test_jax_triton.py checks the kernel on CPU).
+
 Cases (defaults): decode with batch 64, 32 query / 8 KV heads, head_dim 128, bf16, block 16, at
 mixed contexts up to 4k and at 4k for all; a small-batch long-context decode (split-K); chunked
 prefill of 512-token chunks behind cached prefixes, and fresh 1k prompts. --smoke runs three of
@@ -39,6 +46,7 @@ from pallas_kernels.paged_attention import paged_decode_attention  # noqa: E402
 from pallas_kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from pallas_kernels.reference import (  # noqa: E402
     paged_decode_attention_ref, paged_prefill_attention_ref)
+from pallas_kernels.triton_common import pallas_triton_available  # noqa: E402
 
 TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-5}
 
@@ -149,6 +157,28 @@ def triton_prefill(interpret):
         *a, scale=scale, soft_cap=soft_cap, interpret=interpret)
 
 
+def jax_triton_unavailable() -> str | None:
+    """None when the jax-triton kernel can run here, else why not (the GPU machine has no pip)."""
+    try:
+        import jax_triton  # noqa: F401, PLC0415  (imports triton too)
+    except ImportError as e:
+        return f"not installed ({str(e).splitlines()[0]})"
+    return None
+
+
+def jax_triton_kernel(decode: bool):
+    """make_kernel(scale, soft_cap) for the jax-triton kernel (decode ignores the qsl slot)."""
+    from pallas_kernels.jax_triton_attention import paged_attention_jax_triton  # noqa: PLC0415
+
+    def make(scale, soft_cap):
+        if decode:
+            return lambda q, k, v, tables, lens: paged_attention_jax_triton(
+                q, k, v, tables, lens, None, decode=True, scale=scale, soft_cap=soft_cap)
+        return lambda *a: paged_attention_jax_triton(*a, decode=False, scale=scale,
+                                                     soft_cap=soft_cap)
+    return make
+
+
 def decode_case(name, rng, key, args, batch, context_lens, make_kernel):
     """make_kernel(scale, soft_cap) -> f(q, k, v, tables, lens), checked and timed."""
     dtype = jnp.dtype(args.dtype)
@@ -212,12 +242,12 @@ def run_case(name, shape, kernel, ref, operands, bytes_read, flops, args):
 
 
 def print_table(rows, copy_gbs):
-    header = (f"{'kernel':<22} {'shape':<52} {'kernel ms':>10} {'ref ms':>10} {'speedup':>8} "
+    header = (f"{'kernel':<33} {'shape':<52} {'kernel ms':>10} {'ref ms':>10} {'speedup':>8} "
               f"{'MB read':>9} {'GB/s':>8} {'% copy':>7} {'TFLOP/s':>8} {'rel err':>9} ok")
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['kernel']:<22} {r['shape']:<52} {r['kernel_ms']:>10.4f} "
+        print(f"{r['kernel']:<33} {r['shape']:<52} {r['kernel_ms']:>10.4f} "
               f"{r['reference_ms']:>10.4f} {r['speedup']:>7.1f}x {r['bytes_read'] / 1e6:>9.2f} "
               f"{r['gb_per_s']:>8.1f} {r['pct_copy_bw']:>6.1f}% {r['tflop_per_s']:>8.3f} "
               f"{r['max_rel_err']:>9.2e} {'yes' if r['ok'] else 'NO'}")
@@ -235,16 +265,28 @@ def main(argv=None):
     key = jax.random.key(seed)
     t_start = time.perf_counter()
 
-    rows, copy_gbs, copy_s = run_cases(args, rng, key, decode_kernel=triton_decode(interpret),
-                                       split_kernel=triton_decode(interpret, 2 if interpret else None),
-                                       prefill_kernel=triton_prefill(interpret))
-    return report(args, rows, copy_gbs, copy_s, device, seed, interpret, t_start)
+    rows, skipped = [], {}
+    copy_gbs, copy_s = copy_bandwidth(args.copy_gib, args.trials, args.inner)
+    if pallas_triton_available():
+        rows += run_cases(args, rng, key, decode_kernel=triton_decode(interpret),
+                          split_kernel=triton_decode(interpret, 2 if interpret else None),
+                          prefill_kernel=triton_prefill(interpret))
+    else:
+        skipped["pallas-triton"] = f"not in jax {jax.__version__}"
+    why_not = "needs a GPU (--smoke)" if interpret else jax_triton_unavailable()
+    if why_not is None:
+        jt_rows = run_cases(args, rng, key, decode_kernel=jax_triton_kernel(True),
+                            split_kernel=jax_triton_kernel(True),
+                            prefill_kernel=jax_triton_kernel(False))
+        rows += [{**r, "kernel": "jax-triton " + r["kernel"]} for r in jt_rows]
+    else:
+        skipped["jax-triton"] = why_not
+    return report(args, rows, skipped, copy_gbs, copy_s, device, seed, interpret, t_start)
 
 
 def run_cases(args, rng, key, *, decode_kernel, split_kernel, prefill_kernel):
     """The cases (module docstring), each kernel given as make_kernel(scale, soft_cap); returns
-    (result rows, copy GB/s, copy seconds)."""
-    copy_gbs, copy_s = copy_bandwidth(args.copy_gib, args.trials, args.inner)
+    the result rows."""
     max_ctx = args.max_context
     rows = []
     mixed = rng.integers(1, max_ctx + 1, size=args.batch)
@@ -264,23 +306,26 @@ def run_cases(args, rng, key, *, decode_kernel, split_kernel, prefill_kernel):
         fresh = max(1, args.prefill_seqs // 2)
         rows.append(prefill_case("prefill fresh prompts", rng, jax.random.fold_in(key, 14), args,
                                  [0] * fresh, [2 * chunk] * fresh, prefill_kernel))
+    return rows
+
+
+def report(args, rows, skipped, copy_gbs, copy_s, device, seed, interpret, t_start):
+    """Print the table, write --json_out; exit status 0 when every kernel matched.
+    skipped: {kernel family: why it did not run here}."""
     for r in rows:
         r["pct_copy_bw"] = 100.0 * r["gb_per_s"] / copy_gbs
-    return rows, copy_gbs, copy_s
-
-
-def report(args, rows, copy_gbs, copy_s, device, seed, interpret, t_start):
-    """Print the table, write --json_out; exit status 0 when every kernel matched."""
     print_table(rows, copy_gbs)
+    for kernel, why in skipped.items():
+        print(f"{kernel}: {why}")
     elapsed = time.perf_counter() - t_start
-    all_ok = all(r["ok"] for r in rows)
+    all_ok = bool(rows) and all(r["ok"] for r in rows)  # nothing checked is no pass
     print(f"{'all kernels match their references' if all_ok else 'MISMATCH'} "
           f"({elapsed:.1f} s)", flush=True)
     if args.json_out:
         result = dict(device=device.device_kind, backend=jax.default_backend(),
                       jax_version=jax.__version__, seed=seed, interpret=interpret,
                       args=vars(args), copy_gb_per_s=copy_gbs, copy_ms=copy_s * 1e3,
-                      cases=rows, all_ok=all_ok, elapsed_s=elapsed)
+                      cases=rows, skipped=skipped, all_ok=all_ok, elapsed_s=elapsed)
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2)
     return 0 if all_ok else 1

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 
-from gpu_check import parse_args, report, run_cases  # noqa: E402
+from gpu_check import copy_bandwidth, parse_args, report, run_cases  # noqa: E402
 from pallas_kernels.tpu_attention import ragged_paged_attention_tpu  # noqa: E402
 
 
@@ -49,10 +49,11 @@ def main(argv=None):
           f"seed {seed}, {'TPU interpreter' if interpret else 'Mosaic'}", flush=True)
     t_start = time.perf_counter()
     decode = tpu_kernel(decode=True, interpret=interpret)
-    rows, copy_gbs, copy_s = run_cases(
+    copy_gbs, copy_s = copy_bandwidth(args.copy_gib, args.trials, args.inner)
+    rows = run_cases(
         args, np.random.default_rng(seed), jax.random.key(seed), decode_kernel=decode,
         split_kernel=decode, prefill_kernel=tpu_kernel(decode=False, interpret=interpret))
-    return report(args, rows, copy_gbs, copy_s, device, seed, interpret, t_start)
+    return report(args, rows, {}, copy_gbs, copy_s, device, seed, interpret, t_start)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ pytest.importorskip("torch", reason="Triton's interpreter reads buffers through 
 
 # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap)
 DECODE_CASES = [
-    (2, 2, 64, 8, jnp.float32, None),       # MHA
     (4, 2, 80, 16, jnp.bfloat16, 30.0),     # group 2, head_dim 80, soft cap
     (7, 1, 96, 8, jnp.float32, 10.0),       # MQA, group 7 (not a power of two), head_dim 96
     (8, 1, 256, 16, jnp.bfloat16, None),    # Gemma-2B-like: MQA group 8, head_dim 256

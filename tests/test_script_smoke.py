@@ -49,3 +49,24 @@ def test_benchmark_startup(tmp_path):
     assert [r["layers"] for r in rows] == [1, 3]
     assert rows[0]["compiled_programs"] > 0 and rows[1]["compiled_programs"] <= rows[0]["compiled_programs"]
     assert all(r["warmup_s"] > 0 for r in rows)
+
+
+def test_kernel_tables(tmp_path):
+    """Every impl's error row, the CUDA/TPU lowering rows and the sm_90 compile rows, all ok."""
+    out = tmp_path / "tables.json"
+    stdout = _run(["scripts/kernel_tables.py", "--smoke", f"--json_out={out}"], tmp_path)
+    for title in ("Errors vs the reference", "Lowering from a CPU host", "compiled without a GPU"):
+        assert title in stdout, stdout
+    result = json.load(open(out))
+    assert result["all_ok"]
+    impls = {(r["impl"], r["dtype"], r["mode"]) for r in result["errors"]}
+    for impl in ("reference", "native", "pallas_interpret", "jax_triton_interpret",
+                 "pallas_tpu_interpret"):
+        assert (impl, "bfloat16", "prefill") in impls
+    for r in result["errors"]:
+        assert r["status"] == "ok" and r["max_rel_err"] < 2e-2, r
+    assert result["errors"][0]["max_abs_err"] == 0  # the reference against itself
+    assert {(r["platform"], r["mode"]) for r in result["lowering"]} == {
+        (p, m) for p in ("cuda", "tpu") for m in ("decode", "prefill")}
+    assert [r["status"] for r in result["compile"]] == ["ok", "ok"]
+    assert all(r["cubin_bytes"] > 0 for r in result["compile"])

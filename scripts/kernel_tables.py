@@ -1,0 +1,237 @@
+#!/usr/bin/env python
+"""Error and lowering tables for every paged-attention implementation, on this host (CPU is fine).
+
+  python scripts/kernel_tables.py --json_out tables.json   # full tables (a few minutes on 2 cores)
+  python scripts/kernel_tables.py --smoke                  # tiny shapes, one head shape (CI, < 1 min)
+
+Prints three markdown tables and, with --json_out, writes them as JSON:
+  1. errors: max abs and max rel error (max |out - ref| / max |ref|) against the plain-jnp
+     reference of the same dtype, float32 and bfloat16, decode and chunked prefill, for every impl
+     that runs on a CPU host: reference (itself: 0), native (C++ FFI), Pallas-Triton
+     in Pallas interpret mode, the jax-triton kernel in Triton's interpreter, the TPU kernel in
+     the TPU interpreter. Inputs as in the tests: shuffled block tables, NaN in unowned slots.
+  2. lowering: jax.export for CUDA (Pallas-Triton) and TPU (Mosaic) from this host at the model
+     head shapes (pallas_kernels/lowering.py), with the jax version in the title: run it once per
+     environment (jax 0.10.2 and 0.11.2) to fill both columns.
+  3. sm_80 / sm_90: the jax-triton kernel compiled by triton.compile with no GPU (PTX, cubin and
+     shared-memory bytes), bfloat16.
+An implementation whose package is missing here is listed with the reason, not dropped.
+Exits 1 if any error exceeds the tests' tolerance or any lowering/compile fails.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from attention_cases import TOL, decode_inputs, prefill_batch, prefill_inputs  # noqa: E402
+from pallas_kernels import native  # noqa: E402
+from pallas_kernels.attention import paged_attention  # noqa: E402
+from pallas_kernels.lowering import (  # noqa: E402
+    MODEL_HEAD_SHAPES, TPU_CALL_TARGET, TRITON_CALL_TARGETS, export_for)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ERROR_IMPLS = ("reference", "native", "pallas_interpret", "jax_triton_interpret",
+               "pallas_tpu_interpret")
+warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, one head shape, sm_90 only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json_out", default=None)
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _why_not(impl: str, dtype) -> str | None:
+    """None if `impl` runs here for `dtype`, else the reason."""
+    if impl == "native" and not (native.available() and native.supports(dtype, dtype)):
+        return "n/a: not built" if not native.available() else "n/a: dtype unsupported"
+    if impl == "jax_triton_interpret":
+        for package in ("triton", "torch"):
+            try:
+                __import__(package)
+            except ImportError:
+                return f"n/a: {package} not installed"
+    return None
+
+
+def _run(impl, inputs, *, decode, scale, soft_cap):
+    q, k, v, tables, lens, qsl = inputs
+    if impl == "jax_triton_interpret":
+        from pallas_kernels.jax_triton_attention import run_interpreted
+        return run_interpreted(q, k, v, tables, lens, qsl, decode=decode, scale=scale,
+                               soft_cap=soft_cap)
+    return paged_attention(q, k, v, tables, lens, qsl, decode=decode, scale=scale,
+                           soft_cap=soft_cap, impl=impl)
+
+
+def error_rows(smoke: bool, seed: int) -> list[dict]:
+    hq, hkv, d, bs = (4, 2, 32, 8) if smoke else (8, 2, 128, 16)
+    combos = [(name, decode) for name in DTYPES for decode in (True, False)]
+    if smoke:  # one pairing: the interpreters are slow (the TPU one ~20 s a call on 2 cores)
+        combos = [("bfloat16", False)]
+    rows = []
+    for dtype_name, decode in combos:
+        dtype = DTYPES[dtype_name]
+        rng = np.random.default_rng(seed)
+        if decode:
+            ctx = [0, 1, bs + 1, 5 * bs + 3] if smoke else [0, 1, bs, bs + 1, 37 * bs + 5, 300]
+            q, k, v, tables, lens = decode_inputs(rng, ctx, num_q_heads=hq, num_kv_heads=hkv,
+                                                  head_dim=d, block_size=bs, dtype=dtype)
+            inputs = (q, k, v, tables, lens, None)
+        else:
+            prefixes, chunks = zip(*prefill_batch(bs))
+            inputs = prefill_inputs(rng, prefixes, chunks, num_padding=3, num_q_heads=hq,
+                                    num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype)
+        kw = dict(decode=decode, scale=d ** -0.5, soft_cap=30.0)
+        ref = np.asarray(_run("reference", inputs, **kw), np.float32)
+        ref_max = float(np.abs(ref).max())
+        for impl in ERROR_IMPLS:
+            row = dict(impl=impl, dtype=dtype_name, mode="decode" if decode else "prefill",
+                       shape=f"Hq={hq} Hkv={hkv} D={d} bs={bs}")
+            reason = _why_not(impl, dtype)
+            if reason:
+                rows.append({**row, "status": reason})
+                continue
+            t0 = time.perf_counter()
+            out = np.asarray(_run(impl, inputs, **kw), np.float32)
+            abs_err = float(np.abs(out - ref).max()) if np.isfinite(out).all() else float("inf")
+            rel_err = abs_err / ref_max
+            ok = rel_err <= TOL[dtype]
+            rows.append({**row, "status": "ok" if ok else "MISMATCH", "max_abs_err": abs_err,
+                         "max_rel_err": rel_err, "seconds": time.perf_counter() - t0})
+    return rows
+
+
+# ----------------------------------------------------------------------------- lowering
+
+
+def _specs(hq, hkv, d, decode):
+    num_blocks, block_size, num_seqs, width, num_tokens = 512, 16, 8, 64, 256
+    cache = jax.ShapeDtypeStruct((num_blocks, block_size, hkv, d), jnp.bfloat16)
+    return (jax.ShapeDtypeStruct((num_seqs if decode else num_tokens, hq, d), jnp.bfloat16),
+            cache, cache, jax.ShapeDtypeStruct((num_seqs, width), jnp.int32),
+            jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+            jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def lowering_rows(shapes) -> list[dict]:
+    targets = {"cuda": ("pallas", TRITON_CALL_TARGETS), "tpu": ("pallas_tpu", (TPU_CALL_TARGET,))}
+    rows = []
+    for name in shapes:
+        hq, hkv, d = MODEL_HEAD_SHAPES[name]
+        for decode in (True, False):
+            for platform, (impl, calls) in targets.items():
+                def f(*a, impl=impl, decode=decode, d=d):
+                    return paged_attention(*a, decode=decode, scale=d ** -0.5, impl=impl)
+                t0 = time.perf_counter()
+                try:
+                    text = export_for(platform, f, _specs(hq, hkv, d, decode))
+                    found = [c for c in calls if c in text]
+                    status = f"ok ({found[0]})" if found else "FAIL: no kernel custom call"
+                except Exception as e:  # noqa: BLE001  (reported in the table)
+                    status = "FAIL: " + _first_line(e)
+                rows.append(dict(shape=name, heads=f"{hq}/{hkv}x{d}", platform=platform,
+                                 mode="decode" if decode else "prefill", status=status,
+                                 seconds=time.perf_counter() - t0))
+    return rows
+
+
+def compile_rows(shapes, capabilities) -> list[dict]:
+    try:
+        from pallas_kernels.jax_triton_attention import compile_for_gpu
+    except ImportError as e:
+        return [dict(shape="*", capability="*", mode="*", status=f"n/a: {_first_line(e)}")]
+    rows = []
+    for name in shapes:
+        hq, hkv, d = MODEL_HEAD_SHAPES[name]
+        for decode in (True, False):
+            for cc in capabilities:
+                t0 = time.perf_counter()
+                row = dict(shape=name, heads=f"{hq}/{hkv}x{d}", capability=f"sm_{cc}",
+                           mode="decode" if decode else "prefill")
+                try:
+                    asm = compile_for_gpu((8 if decode else 256, hq, d), (512, 16, hkv, d),
+                                          jnp.bfloat16, table_width=64, num_seqs=8, decode=decode,
+                                          compute_capability=cc, scale=d ** -0.5)
+                    ok = f".target sm_{cc}" in asm["ptx"] and asm["cubin"][:4] == b"\x7fELF"
+                    row.update(status="ok" if ok else "FAIL: no sm PTX / cubin",
+                               ptx_bytes=len(asm["ptx"]), cubin_bytes=len(asm["cubin"]),
+                               shared_bytes=asm["shared"])
+                except Exception as e:  # noqa: BLE001
+                    row.update(status="FAIL: " + _first_line(e))
+                rows.append({**row, "seconds": time.perf_counter() - t0})
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def print_tables(errors, lowering, compiles):
+    print(f"\n### Errors vs the reference (jax {jax.__version__})\n")
+    print("| impl | dtype | mode | shape | max abs err | max rel err | status |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in errors:
+        if "max_abs_err" in r:
+            errs = f"{r['max_abs_err']:.2e} | {r['max_rel_err']:.2e}"
+        else:
+            errs = "- | -"
+        print(f"| {r['impl']} | {r['dtype']} | {r['mode']} | {r['shape']} | {errs} | {r['status']} |")
+    print(f"\n### Lowering from a CPU host (jax {jax.__version__}, bfloat16)\n")
+    print("| shape | heads (q/kv x dim) | mode | cuda (Pallas-Triton) | tpu (Mosaic) |")
+    print("| --- | --- | --- | --- | --- |")
+    by_key = {(r["shape"], r["mode"], r["platform"]): r for r in lowering}
+    for r in lowering:
+        if r["platform"] == "cuda":
+            tpu = by_key[(r["shape"], r["mode"], "tpu")]["status"]
+            print(f"| {r['shape']} | {r['heads']} | {r['mode']} | {r['status']} | {tpu} |")
+    print("\n### jax-triton kernel compiled without a GPU (triton.compile, bfloat16)\n")
+    print("| shape | heads | mode | target | status | PTX KB | cubin KB | shared KB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in compiles:
+        sizes = (f"{r['ptx_bytes'] / 1024:.0f} | {r['cubin_bytes'] / 1024:.0f} | "
+                 f"{r['shared_bytes'] / 1024:.0f}" if "ptx_bytes" in r else "- | - | -")
+        print(f"| {r['shape']} | {r.get('heads', '*')} | {r['mode']} | {r['capability']} | "
+              f"{r['status']} | {sizes} |")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    shapes = ["llama3-8b"] if args.smoke else list(MODEL_HEAD_SHAPES)
+    errors = error_rows(args.smoke, args.seed)
+    lowering = lowering_rows(shapes)
+    compiles = compile_rows(shapes, (90,) if args.smoke else (80, 90))
+    print_tables(errors, lowering, compiles)
+    failed = [r for r in errors + lowering + compiles
+              if not (r["status"].startswith("ok") or r["status"].startswith("n/a"))]
+    print(f"\n{'all ok' if not failed else f'{len(failed)} FAILED'} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(dict(jax_version=jax.__version__, python=sys.version.split()[0],
+                           smoke=args.smoke, seed=args.seed, errors=errors, lowering=lowering,
+                           compile=compiles, all_ok=not failed), f, indent=2)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
