@@ -220,7 +220,11 @@ def paged_attention_jax_triton(q, k_pages, v_pages, block_tables, context_lens, 
                                block_q: int | None = None):
     """Decode (q [S, Hq, D]) or chunked prefill (flat q [T, Hq, D]) through jax_triton.triton_call;
     needs a CUDA GPU and the `jax-triton` package (extra `cuda12`)."""
-    import jax_triton  # only here: it does not import without GPU support in jaxlib
+    try:  # only here: it does not import without GPU support in jaxlib
+        import jax_triton
+    except ImportError as e:
+        raise RuntimeError(f'attention impl "jax_triton" needs the jax-triton package on a CUDA '
+                           f'jaxlib (pip install -e ".[cuda12]"): {e}') from e
 
     launch, tiles = _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
                                 decode=decode, scale=scale, soft_cap=soft_cap, block_q=block_q)
@@ -229,9 +233,9 @@ def paged_attention_jax_triton(q, k_pages, v_pages, block_tables, context_lens, 
     params = inspect.signature(jax_triton.triton_call).parameters
     out_kw = "out_type" if "out_type" in params else "out_shape"
     return jax_triton.triton_call(
-        tiles, q, k_pages, v_pages, block_tables.astype(jnp.int32), kernel=_ragged_paged_attention_kernel,
-        grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,
-        name="ferry_ragged_paged_attention", **{out_kw: out}, **launch.constexprs)
+        tiles, q, k_pages, v_pages, block_tables.astype(jnp.int32),
+        kernel=_ragged_paged_attention_kernel, grid=launch.grid, num_warps=launch.num_warps,
+        num_stages=launch.num_stages, name="ferry_ragged_paged_attention", **{out_kw: out}, **launch.constexprs)
 
 
 # ----------------------------------------------------------------------------- Triton's interpreter

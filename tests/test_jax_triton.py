@@ -27,6 +27,7 @@ from attention_cases import (  # noqa: F401  (seed is a fixture)
     seed,
 )
 from pallas_kernels import jax_triton_attention as jt
+from pallas_kernels.attention import paged_attention
 from pallas_kernels.lowering import MODEL_HEAD_SHAPES
 from pallas_kernels.reference import paged_decode_attention_ref
 
@@ -117,3 +118,22 @@ def test_float32_compiles_with_ieee_dots():
                              num_seqs=8, decode=True, compute_capability=80)
     assert ".tf32" not in asm["ptx"]
     assert asm["cubin"][:4] == b"\x7fELF"
+
+
+def test_dispatch_without_jax_triton_says_what_to_install(monkeypatch):
+    """impl="jax_triton" where jax-triton does not import: a clear error, not a bare ImportError."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_jax_triton(name, *args, **kwargs):
+        if name == "jax_triton":
+            raise ImportError("No module named 'jax_triton'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_jax_triton)
+    q = jnp.zeros((2, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((5, 8, 2, 64), jnp.bfloat16)
+    with pytest.raises(RuntimeError, match=r"jax-triton package.*cuda12"):
+        paged_attention(q, k, k, jnp.zeros((2, 4), jnp.int32), jnp.ones((2,), jnp.int32), None,
+                        decode=True, scale=1.0, impl="jax_triton")
