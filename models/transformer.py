@@ -165,10 +165,12 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)
 
         def body(c, inputs):
-            # The barrier materialises this layer's weights once (a copy of one layer): left fusible,
-            # XLA CPU folds the scan's dynamic-slice into each matmul, which then leaves the fast
-            # library dot for a generic loop. CPU time per step against the unrolled layers: decode
-            # +26% and prefill +36% without it, +8% and -4% with it.
+            # The barrier materialises this layer's weights once (a copy of one layer), so the matmuls
+            # stay library dots (left fusible, XLA CPU has folded the scan's dynamic-slice into them,
+            # making them generic loops). jaxlib 0.10.2 makes that copy with or without the barrier
+            # (YNNPACK dots take static slices, not dynamic ones), and it is the scan's price: decode
+            # CPU time per step against per-layer arrays unrolled, +3..14% at 4 layers x 256 wide, +39%
+            # at SmolLM2-135M's 30 x 576 (batch 16); prefill +1..5%. Notes: issue 12.
             layer_state, x = jax.lax.optimization_barrier(inputs)
             return fn(nnx.merge(graphdef, layer_state), c, x), None
 
