@@ -17,7 +17,9 @@ from engine.sampling_params import SamplingParams, SamplingParamsError, Structur
 from hf_models import make_text_model
 
 NUM_SEEDS = 50
-CONFIG = dict(block_size=8, max_num_seqs=32, max_num_batched_tokens=256)
+# 63 usable blocks of 8 tokens for up to 32 sequences: every batched test here preempts (swap) under load.
+# One cache shape for every engine in this file, so they all share the jitted step programs.
+CONFIG = dict(block_size=8, max_num_seqs=32, max_num_batched_tokens=256, num_blocks=64)
 
 SCHEMAS = {
     "nested": {
@@ -151,25 +153,23 @@ def test_permissive_grammar_leaves_greedy_output_alone(llm):
 
 @pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
 def test_n_samples_and_preemption_keep_outputs_valid_without_compiling(llm, model_dir, preemption_mode):
-    """n=4 samples per request in a cache too small for the batch (preemptions happen) give the same,
-    valid outputs as an ample cache; run again (every shape now compiled), nothing compiles."""
-    schema = SCHEMAS["array_of_enums"]
+    """n=6 samples of 3 requests in a cache too small for all 18 (preemptions happen) give the outputs each
+    request gets alone, all valid; the same batch again (every shape now compiled) compiles nothing."""
+    schema = SCHEMAS["nested"]
     spec = {"json": schema}
     prompts = ["hello world", "the quick brown fox jumps", "jax tokenizer of a"]
-    params = [SamplingParams(n=4, temperature=1.0, seed=100 + i, max_tokens=48, structured_outputs=spec)
+    params = [SamplingParams(n=6, temperature=1.0, seed=100 + i, max_tokens=96, structured_outputs=spec)
               for i in range(len(prompts))]
-    # The module's step shapes (so the jitted programs are shared), with too few blocks for 12 sequences.
+    alone = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
     # No prefix caching: the second run's schedule is then the first's.
-    tight = LLM(model_dir, EngineConfig(**CONFIG, num_blocks=18, preemption_mode=preemption_mode,
-                                        enable_prefix_caching=False))
-    first = tight.generate(prompts, params, use_tqdm=False)
-    assert tight.engine.scheduler.stats()["preemptions"][preemption_mode] > 0
+    batched = LLM(model_dir, EngineConfig(**CONFIG, preemption_mode=preemption_mode, enable_prefix_caching=False))
+    first = batched.generate(prompts, params, use_tqdm=False)
+    assert batched.engine.scheduler.stats()["preemptions"][preemption_mode] > 0
     with compile_guard():  # the same schedule again, with fresh matchers
-        outs = tight.generate(prompts, params, use_tqdm=False)
+        outs = batched.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for r in outs for o in r.outputs] == [o.token_ids for r in first for o in r.outputs]
-    ample = llm.generate(prompts, params, use_tqdm=False)
     assert len({o.text for r in outs for o in r.outputs}) > 1  # the samples are not copies of each other
-    for got, want in zip(outs, ample):
+    for got, want in zip(outs, alone):
         assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
         for o in got.outputs:
             assert o.finish_reason == "stop"
