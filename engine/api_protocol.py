@@ -308,7 +308,6 @@ class ChatCompletionRequest(_GenerationRequest):
             return None
         return self.top_logprobs or 0
 
-
     @property
     def tool_mode(self) -> str | None:
         """None (no tools, or tool_choice "none"), "auto", "required" or "named" (engine/tool_calls.py)."""

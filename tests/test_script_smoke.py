@@ -58,7 +58,8 @@ def test_benchmark_structured(tmp_path):
     tok_dir = write_byte_level_bpe_dir(tmp_path / "tok")
     out = tmp_path / "structured.json"
     stdout = _run(["scripts/benchmark_structured.py", f"--tokenizer={tok_dir}", "--batch=2", "--output_len=24",
-                   "--layers=1", "--hidden=64", "--block_size=8", "--compile_repeats=2", f"--json_out={out}"], tmp_path)
+                   "--layers=1", "--hidden=64", "--block_size=8", "--compile_repeats=2", "--nowarmup",
+                   f"--json_out={out}"], tmp_path)
     assert "overhead" in stdout
     result = json.load(open(out))
     free, constrained = result["results"]
