@@ -180,7 +180,7 @@ class ModelRunner:
     def _run_prefill(self, chunks, out: "RunnerOutput", score: bool):
         seqs = [SeqSlice(c.request.all_token_ids[c.start:c.start + c.length], c.start, c.request.block_ids)
                 for c in chunks]
-        rows = [self._sampling_row(c.request, c.start + c.length, c.samples) for c in chunks]
+        rows = [self._sampling_row(c.request, c.start + c.length) for c in chunks]
         layout = self.layout_for(seqs, decode=False, all_logits=score)
         if score:
             (chunk,) = chunks
@@ -199,7 +199,7 @@ class ModelRunner:
                 k = r.params.logprobs
                 out.logprobs[r.request_id] = (float(logprob[i]), list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
 
-    def _sampling_row(self, request, history_len: int, samples: bool = True) -> SamplingRow:
+    def _sampling_row(self, request, history_len: int) -> SamplingRow:
         params = request.params or GREEDY
         # The token history only feeds the penalties: copying prompt + outputs for every row every step
         # would be O(context) host work that the greedy path throws away.
@@ -207,7 +207,9 @@ class ModelRunner:
             history, prompt_len = request.all_token_ids[:history_len], request.num_prompt_tokens
         else:
             history, prompt_len = (), 0
-        # A grammar's mask only for a row whose token is kept (a mid-prompt chunk's is discarded).
+        # A grammar's mask only for a row whose token is kept: one that reaches the end of the request's tokens
+        # (a mid-prompt chunk's, or a recompute's re-prefill of its outputs, is discarded).
+        samples = history_len == request.num_tokens
         allowed = request.grammar.allowed_mask() if request.grammar is not None and samples else None
         return SamplingRow(params, request.seed, request.num_output_tokens, history, prompt_len,
                            request.banned_token_ids, allowed)
