@@ -6,13 +6,14 @@ Nothing here touches the engine.
 """
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.sampling_params import SamplingParams, SamplingParamsError, is_valid_unicode
+from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams, is_valid_unicode
+from engine.tool_calls import forced_schema, function_parameters
 
 log = logging.getLogger("ferry.server")
 
@@ -111,6 +112,48 @@ class StreamOptions(_StrictModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_StrictModel):
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_StrictModel):
+    """OpenAI's response_format."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise bad_request("response_format of type json_schema needs json_schema.schema", "response_format")
+            return StructuredOutputsParams(json=self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputsRequest(_StrictModel):
+    """vLLM's structured_outputs: exactly one of json (a schema), json_object, regex, choice, grammar (Lark)."""
+
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        try:
+            return StructuredOutputsParams(json=self.json_, json_object=bool(self.json_object), regex=self.regex,
+                                           choice=self.choice, grammar=self.grammar)
+        except SamplingParamsError as e:
+            raise bad_request(str(e), "structured_outputs") from None
+
+
 class _GenerationRequest(_RequestModel):
     """The fields completions and chat share: OpenAI's sampling fields and vLLM's extensions."""
 
@@ -136,16 +179,29 @@ class _GenerationRequest(_RequestModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     cache_salt: str | None = None              # prefix-cache namespace: only equal salts share cached blocks
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's constrained decoding
+
+    def structured_spec(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """(the constraint, the request field it came from), or (None, None)."""
+        from_format = self.response_format.structured_outputs() if self.response_format is not None else None
+        if from_format is not None and self.structured_outputs is not None:
+            raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
+        if from_format is not None:
+            return from_format, "response_format"
+        if self.structured_outputs is not None:
+            return self.structured_outputs.params(), "structured_outputs"
+        return None, None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        param_names: dict[str, str]) -> SamplingParams:
+                        param_names: dict[str, str], structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams from the request; null fields take SamplingParams' defaults. A bad value is a 400
         naming the API field (`param_names` maps SamplingParams names that differ from the API's)."""
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         values = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
         try:
-            return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
+            return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured)
         except SamplingParamsError as e:
             raise bad_request(str(e), param_names.get(e.field, e.field)) from None
 
@@ -201,8 +257,33 @@ class ChatMessage(_StrictModel):
         return message
 
 
+class FunctionDefinition(_StrictModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_StrictModel):
+    name: str
+
+
+class NamedToolChoice(_StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None   # false: a "required" output holds exactly one call
     max_tokens: int | None = None              # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -226,6 +307,45 @@ class ChatCompletionRequest(_GenerationRequest):
                 raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
             return None
         return self.top_logprobs or 0
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools, or tool_choice "none"), "auto", "required" or "named" (engine/tool_calls.py)."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools", "tool_choice")
+            return None
+        if choice == "none":
+            return None
+        if choice is None or choice == "auto":
+            return "auto"
+        return "required" if choice == "required" else "named"
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template shows the model (none with tool_choice "none")."""
+        return None if self.tool_mode is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def tool_name(self) -> str | None:
+        return self.tool_choice.function.name if self.tool_mode == "named" else None
+
+    def structured_spec(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """A forced tool call ("required" or a named function) constrains the output to the call's schema."""
+        spec, field = super().structured_spec()
+        mode = self.tool_mode
+        if mode not in ("required", "named"):
+            return spec, field
+        if spec is not None:
+            raise bad_request(f"a forced tool call (tool_choice) cannot be combined with {field}", "tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if mode == "required":
+            return StructuredOutputsParams(json=forced_schema(tools, self.parallel_tool_calls is not False)), "tools"
+        named = [t for t in tools if t["function"]["name"] == self.tool_name]
+        if not named:
+            raise bad_request(f"tool_choice names function {self.tool_name!r}, which is not in tools", "tool_choice")
+        return StructuredOutputsParams(json=function_parameters(named[0])), "tools"
 
 
 class TokenizeRequest(_RequestModel):

@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 from engine.api_protocol import as_api_error
 from engine.engine import CompletionOutput, RequestOutput
 from engine.engine_loop import OutputStream
+from engine.tool_calls import ToolCallStream, parse_hermes, parse_required
 
 
 @dataclasses.dataclass(slots=True)
@@ -23,6 +24,7 @@ class _ChoiceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text_offset: int = 0               # completions' logprobs.text_offset of the next streamed token
+    tool_calls_sent: int = 0           # chat: streamed tool calls so far (the next one's index)
 
 
 class ResponseBuilder(abc.ABC):
@@ -119,6 +121,49 @@ class CompletionBuilder(ResponseBuilder):
 
 
 class ChatBuilder(ResponseBuilder):
+    """`tool_mode` (engine/tool_calls.py): None, or how the choices' text becomes tool_calls."""
+
+    def __init__(self, *args, tool_mode: str | None = None, tool_name: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tool_mode, self.tool_name = tool_mode, tool_name
+        self._tool_streams = [ToolCallStream(tool_mode, tool_name) for _ in self.choices] if tool_mode else None
+
+    def _finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
+        # As OpenAI: a model that called tools (by its choice, or required to) ends with "tool_calls"; a call
+        # forced by name ends with "stop".
+        if finish_reason == "stop" and called and self.tool_mode in ("auto", "required"):
+            return "tool_calls"
+        return finish_reason
+
+    def _message(self, text: str) -> tuple[dict, bool]:
+        """The whole response's message for a choice's text, and whether it holds tool calls."""
+        if self.tool_mode is None:
+            return {"role": "assistant", "content": text}, False
+        if self.tool_mode == "named":
+            content, calls = None, [ToolCallStream("named", self.tool_name).feed(text, True)[1][0]]
+        elif self.tool_mode == "required":
+            content, calls = None, parse_required(text)
+        else:
+            content, calls = parse_hermes(text)
+            content = content if content.strip() or not calls else None
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.as_dict() for call in calls]
+        return message, bool(calls)
+
+    def _delta(self, index: int, delta: CompletionOutput) -> tuple[dict, bool]:
+        """A streamed chunk's delta for a choice, and whether the choice has made a tool call so far."""
+        if self._tool_streams is None:
+            return ({"content": delta.text} if delta.text else {}), False
+        stream, choice = self._tool_streams[index], self.choices[index]
+        content, calls = stream.feed(delta.text, delta.finish_reason is not None)
+        out = {"content": content} if content else {}
+        if calls:
+            out["tool_calls"] = [_call_delta(call, choice.tool_calls_sent + i, stream.mode) for i, call in enumerate(calls)]
+            if stream.mode != "named":
+                choice.tool_calls_sent += len(calls)
+        return out, stream.named_call is not None or choice.tool_calls_sent > 0
+
     def _chunk(self, choices: list[dict]) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "choices": choices}
@@ -140,19 +185,32 @@ class ChatBuilder(ResponseBuilder):
                               "finish_reason": None}]) for i in range(len(self.choices))]
 
     def chunk(self, index: int, delta: CompletionOutput) -> dict:
-        return self._chunk([{"index": index, "delta": {"content": delta.text} if delta.text else {},
+        message_delta, called = self._delta(index, delta)
+        return self._chunk([{"index": index, "delta": message_delta,
                              "logprobs": self._logprobs(delta.token_ids, delta.logprobs or []),
-                             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}])
+                             "finish_reason": self._finish_reason(delta.finish_reason, called),
+                             "stop_reason": delta.stop_reason}])
 
     def usage_chunk(self) -> dict:
         return {**self._chunk([]), "usage": self.usage()}
 
     def response(self) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for i, c in enumerate(self.choices)]
+        choices = []
+        for i, c in enumerate(self.choices):
+            message, called = self._message(c.text)
+            choices.append({"index": i, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                            "finish_reason": self._finish_reason(c.finish_reason, called),
+                            "stop_reason": c.stop_reason})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
+
+
+def _call_delta(call, index: int, mode: str) -> dict:
+    """A streamed tool_calls entry: the first of a call carries id, type and name; a named call's later
+    deltas carry only argument text (OpenAI's shape)."""
+    if mode == "named" and not call.id:
+        return {"index": 0, "function": {"arguments": call.arguments}}
+    return call.as_dict(index)
 
 
 def _by_logprob(entry: dict[int, float]) -> list[tuple[int, float]]:

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import random
+import threading
 import time
 from collections.abc import Sequence
 
@@ -25,6 +26,7 @@ from engine.request import Request
 from engine.runner import CompileCounter, ModelRunner, RunnerOutput, kv_bytes_per_block, num_blocks_for_memory
 from engine.sampling_params import MAX_SEED, SamplingParams, SamplingParamsError, is_valid_unicode
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.structured import CompiledGrammar, GrammarCompiler
 from models.loading import LoadedModel, load_model
 from models.tokenizer import Tokenizer, load_tokenizer
 
@@ -181,6 +183,8 @@ class LLMEngine:
             attention_impl=config.attention_impl)
         self.eos_token_ids = tuple(model.cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
         self._groups: dict[str, _Group] = {}
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
+        self._grammar_compiler_lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
         self._next_id = 0
         self.step_times = {"schedule_s": 0.0, "execute_s": 0.0, "postprocess_s": 0.0, "steps": 0}
@@ -221,6 +225,7 @@ class LLMEngine:
                                       f"token to generate it exceeds max_model_len={self.max_model_len}")
         max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids))
         base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(MAX_SEED)
+        grammar = self.compile_grammar(params.structured_outputs) if params.structured_outputs else None
         samples = []
         for index in range(params.n):
             request = Request(
@@ -228,7 +233,7 @@ class LLMEngine:
                 priority=params.priority, eos_token_ids=self.eos_token_ids,
                 stop_token_ids=stop_token_ids, ignore_eos=params.ignore_eos,
                 min_tokens=params.min_tokens, params=params, seed=(base_seed + index) % MAX_SEED,
-                cache_salt=cache_salt)
+                cache_salt=cache_salt, grammar=grammar.matcher() if grammar is not None else None)
             samples.append(_Sample(index, request, self._detokenizer(prompt_ids, params),
                                    logprobs=[] if params.logprobs is not None else None))
             if samples[-1].detokenizer is not None:
@@ -239,6 +244,17 @@ class LLMEngine:
         self.scheduler.add(samples[0].request)  # raises (changing nothing) if it can never fit
         self._groups[request_id] = group
         return request_id
+
+    def compile_grammar(self, spec, field: str = "structured_outputs") -> CompiledGrammar:
+        """The compiled grammar of a StructuredOutputsParams (cached); a bad one raises SamplingParamsError(field).
+        Thread-safe: the server compiles on worker threads, off the engine thread."""
+        with self._grammar_compiler_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise SamplingParamsError(field, "structured outputs need a tokenizer, and this model has none")
+                self._grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.model.cfg.vocab_size,
+                                                                       self.eos_token_ids)
+        return self._grammar_compiler.compile(spec, field)
 
     def _prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

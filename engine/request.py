@@ -3,6 +3,7 @@
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -40,6 +41,8 @@ class Request:
     params: SamplingParams | None = None    # None: greedy
     seed: int = 0                           # the request's seed (drawn by the engine when not given)
     cache_salt: str | None = None           # prefix-cache namespace: only requests with the same salt share
+    # Structured outputs (engine.structured.GrammarMatcher): masks each sampled token, follows the outputs
+    grammar: Any = None
     # Hashes of the full blocks of all_token_ids, computed lazily by the KV cache manager: [n_hashed] x 32 bytes
     block_hashes: list[bytes] = field(default_factory=list)
 
@@ -84,6 +87,11 @@ class Request:
         text_stop = self.stop_checker(self) if self.stop_checker is not None else None
         if text_stop == "error":  # the checker itself failed on this request: it ends now
             return text_stop
+        if self.grammar is not None:
+            # A complete grammar ends the output even before min_tokens: its mask would allow only EOS.
+            grammar_stop = self.grammar.advance(self.output_token_ids)
+            if grammar_stop is not None:
+                return grammar_stop
         if len(self.output_token_ids) >= self.min_tokens:
             if token in self.stop_token_ids or (token in self.eos_token_ids and not self.ignore_eos):
                 return "stop"

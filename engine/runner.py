@@ -54,7 +54,7 @@ def _wants_prompt_logprobs(request) -> bool:
 
 
 def _needs_full_sampler(row: SamplingRow) -> bool:
-    return select_mode([row.params]) == "full" or bool(row.banned)
+    return select_mode([row.params]) == "full" or bool(row.banned) or row.allowed is not None
 
 
 def _select_rows(sample, rows):
@@ -207,8 +207,12 @@ class ModelRunner:
             history, prompt_len = request.all_token_ids[:history_len], request.num_prompt_tokens
         else:
             history, prompt_len = (), 0
+        # A grammar's mask only for a row whose token is kept: one that reaches the end of the request's tokens
+        # (a mid-prompt chunk's, or a recompute's re-prefill of its outputs, is discarded).
+        samples = history_len == request.num_tokens
+        allowed = request.grammar.allowed_mask() if request.grammar is not None and samples else None
         return SamplingRow(params, request.seed, request.num_output_tokens, history, prompt_len,
-                           request.banned_token_ids)
+                           request.banned_token_ids, allowed)
 
     def layout_for(self, seqs, decode: bool, all_logits: bool = False) -> StepLayout:
         b = self.buckets

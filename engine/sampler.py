@@ -302,6 +302,7 @@ class SamplingRow(NamedTuple):
     history: Sequence[int]    # prompt + output token ids so far
     prompt_len: int
     banned: Sequence[int] = ()  # ids not to sample this step (EOS / stop ids before min_tokens), in [0, V)
+    allowed: np.ndarray | None = None  # u32[ceil(V / 32)]: the only ids that may be sampled (a grammar's), or None
 
 
 def select_mode(params: Iterable[SamplingParams]) -> str:
@@ -363,6 +364,8 @@ def _fill_row(md: SamplingMetadata, i: int, row: SamplingRow, width: int):
     md.output_index[i] = row.output_index
     md.history[i, :len(row.history)] = row.history
     md.prompt_len[i] = row.prompt_len
+    if row.allowed is not None:
+        md.allowed[i] &= row.allowed
     clear_bits(md.allowed[i], row.banned)
 
 

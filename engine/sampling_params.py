@@ -14,6 +14,7 @@ PENALTY_LIMIT = 2.0        # presence / frequency penalties are in [-PENALTY_LIM
 GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy (as vLLM's _SAMPLING_EPS; avoids logits / ~0)
 INT32_MAX = 2**31 - 1      # integer fields travel to the device as int32; larger values are rejected
 MAX_STOP_TOKEN_IDS = 256   # each is checked on every sampled token
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class SamplingParamsError(ValueError):
@@ -22,6 +23,39 @@ class SamplingParamsError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrained decoding (vLLM's `structured_outputs`): exactly one of the fields. The grammar is compiled
+    (and rejected, naming `structured_outputs`) by the engine, which knows the tokenizer (engine/structured.py)."""
+
+    json: dict | str | None = None     # a JSON schema (an object, or its JSON text)
+    json_object: bool = False          # any JSON object
+    regex: str | None = None           # the whole output fully matches it (Rust regex syntax)
+    choice: tuple[str, ...] | None = None  # the output is one of these strings
+    grammar: str | None = None         # a Lark grammar (llguidance's dialect)
+
+    def __post_init__(self):
+        if self.choice is not None and isinstance(self.choice, list | tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        _require(len(given) == 1, "structured_outputs",
+                 f"structured_outputs takes exactly one of {', '.join(STRUCTURED_KINDS)}; got {given or 'none'}")
+        _require(isinstance(self.json_object, bool), "structured_outputs", "structured_outputs.json_object must be a boolean")
+        _require(self.json is None or isinstance(self.json, dict | str), "structured_outputs",
+                 "structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            _require(value is None or (isinstance(value, str) and value), "structured_outputs",
+                     f"structured_outputs.{kind} must be a non-empty string")
+        _require(self.choice is None or (isinstance(self.choice, tuple) and self.choice
+                                         and all(isinstance(c, str) and c for c in self.choice)),
+                 "structured_outputs", "structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
 
 
 @dataclass(slots=True)
@@ -45,6 +79,7 @@ class SamplingParams:
     priority: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # a dict of its fields is accepted
 
     def __post_init__(self):
         self._normalise()
@@ -71,6 +106,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_KINDS))
+            _require(not unknown, "structured_outputs", f"structured_outputs has unknown fields {unknown}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                 "structured_outputs", "structured_outputs must be a StructuredOutputsParams or a dict of its fields")
 
     def _validate_sampling(self):
         _require(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer in [1, 2**31), got {self.n!r}")

@@ -40,7 +40,7 @@ from engine.api_responses import ChatBuilder, CompletionBuilder, EventStreamResp
 from engine.engine import LLMEngine
 from engine.engine_loop import AdmissionControl, EngineLoop, OutputStream
 from engine.metrics import ServerMetrics
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from models.tokenizer import ChatTemplateError
 
 log = logging.getLogger("ferry.server")
@@ -103,6 +103,7 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.model_root = engine.model.path
+        self.compile_grammar = engine.compile_grammar  # the exception: thread-safe, so requests compile off the engine thread
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * engine.max_model_len
         self.open_streams: set[OutputStream] = set()
         self._text_pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="ferry-text")
@@ -173,7 +174,7 @@ class OpenAIServer:
         return [next(encoded) if isinstance(item, str) else list(item) for item in batch]
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                          template_kwargs: dict | None) -> str:
+                          template_kwargs: dict | None, tools: list[dict] | None = None) -> str:
         tokenizer = self.require_tokenizer("messages")
         if not messages:
             raise bad_request("messages must not be empty", "messages")
@@ -185,7 +186,7 @@ class OpenAIServer:
         self.check_prompt_chars(sum(len(str(m.get("content", ""))) for m in messages), "messages")
         try:
             return await self._off_loop(lambda: tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, **template_kwargs))
+                messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs))
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
         except Exception as e:  # the template choked on what the client sent (a jinja error, a bad type)
@@ -246,9 +247,17 @@ class OpenAIServer:
             stream.close()
         return JSONResponse(builder.response())
 
-    def sampling_params(self, body, max_tokens: int | None, logprobs: int | None,
-                        param_names: dict[str, str]) -> SamplingParams:
-        params = body.sampling_params(max_tokens, logprobs, param_names)
+    async def sampling_params(self, body, max_tokens: int | None, logprobs: int | None,
+                              param_names: dict[str, str]) -> SamplingParams:
+        structured, field = body.structured_spec()
+        if structured is not None:
+            # Compiled here, on a worker thread (a bad grammar is a 400 naming its field); the engine thread
+            # then finds it in the grammar cache.
+            try:
+                await self._off_loop(self.compile_grammar, structured, field)
+            except SamplingParamsError as e:
+                raise bad_request(str(e), e.field) from None
+        params = body.sampling_params(max_tokens, logprobs, param_names, structured)
         self.check_stops(params)
         return params
 
@@ -261,7 +270,7 @@ class OpenAIServer:
         arrival = time.monotonic()
         self.check_model(body.model)
         body.check_supported()
-        params = self.sampling_params(body, body.max_tokens, body.logprobs, {})
+        params = await self.sampling_params(body, body.max_tokens, body.logprobs, {})
         prompts = await self.completion_prompts(body.prompt)
         self.check_lengths(prompts, body.max_tokens, params.n, "prompt", "max_tokens")
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -277,16 +286,17 @@ class OpenAIServer:
         arrival = time.monotonic()
         self.check_model(body.model)
         max_tokens = body.output_token_limit
-        params = self.sampling_params(body, max_tokens, body.logprobs_per_token,
-                                      {"max_tokens": body.max_tokens_param, "logprobs": "top_logprobs"})
-        text = await self.render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        params = await self.sampling_params(body, max_tokens, body.logprobs_per_token,
+                                            {"max_tokens": body.max_tokens_param, "logprobs": "top_logprobs"})
+        text = await self.render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                      body.template_tools)
         # The template wrote its special tokens.
         prompt = await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
         self.check_lengths([prompt], max_tokens, params.n, "messages", body.max_tokens_param)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self.submit(request_id, [prompt], params, arrival, "messages", body.cache_salt)
         builder = ChatBuilder(request_id, self.config.served_model_name, stream, params.n, [prompt],
-                              self.tokenizer, params.logprobs)
+                              self.tokenizer, params.logprobs, tool_mode=body.tool_mode, tool_name=body.tool_name)
         return await self.respond(stream, builder, body.stream, body.include_usage)
 
     async def models(self) -> dict:

@@ -70,3 +70,20 @@ def test_kernel_tables(tmp_path):
         (p, m) for p in ("cuda", "tpu") for m in ("decode", "prefill")}
     assert [r["status"] for r in result["compile"]] == ["ok", "ok"]
     assert all(r["cubin_bytes"] > 0 for r in result["compile"])
+
+
+def test_benchmark_structured(tmp_path):
+    from tokenizer_fixtures import write_byte_level_bpe_dir  # noqa: PLC0415
+
+    (tmp_path / "tok").mkdir()
+    tok_dir = write_byte_level_bpe_dir(tmp_path / "tok")
+    out = tmp_path / "structured.json"
+    stdout = _run(["scripts/benchmark_structured.py", f"--tokenizer={tok_dir}", "--batch=2", "--output_len=24",
+                   "--layers=1", "--hidden=64", "--block_size=8", "--compile_repeats=2", "--nowarmup",
+                   f"--json_out={out}"], tmp_path)
+    assert "overhead" in stdout
+    result = json.load(open(out))
+    free, constrained = result["results"]
+    assert not free["constrained"] and constrained["constrained"]
+    assert free["output_tokens"] > 0 and constrained["output_tokens"] > 0 and constrained["tokens_per_s"] > 0
+    assert result["compile"]["schema_compile_ms"] > 0
