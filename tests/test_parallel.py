@@ -11,10 +11,17 @@ import sys
 import time
 
 import httpx
+import jax
 import numpy as np
 import pytest
 
+from engine.data_parallel import DataParallelEngine
+from engine.engine import EngineConfig
+from engine.metrics import ServerMetrics
+from engine.sampling_params import SamplingParams
 from hf_models import ARCHS, check_greedy_match, hf_greedy, make_hf_model, make_text_model
+from models.config import ModelConfig
+from models.loading import random_model
 from models.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -221,3 +228,31 @@ def test_benchmark_parallel_smoke(tmp_path):
         assert row["all_outputs_complete"] and row["compiles_after_warmup"] == 0, row
         assert row["median"]["output_tokens_per_s"] > 0
     assert "out tok/s" in proc.stdout
+
+
+def test_data_parallel_routing_stats_and_metrics():
+    """In process, two replicas sharing this process's one device: requests alternate between them (least
+    loaded first), the totals are the replicas' sums, and /metrics has both the totals and each replica."""
+    cfg = ModelConfig(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    device = jax.devices()[0]
+    engine = DataParallelEngine(random_model(cfg), EngineConfig(block_size=8, max_num_seqs=4, num_blocks=24,
+                                                                max_num_batched_tokens=32, data_parallel_size=2),
+                                devices=[device, device])
+    ids = [engine.add_request(None, list(range(3, 3 + n)), SamplingParams(temperature=0, max_tokens=6,
+                                                                          ignore_eos=True)) for n in range(4, 10)]
+    assert len(set(ids)) == 6 and [r.num_requests for r in engine.replicas] == [3, 3]
+    engine.step()
+    stats = engine.stats()
+    assert [s["num_running"] for s in stats["replicas"]] == [3, 3] and stats["num_running"] == 6
+    metrics = ServerMetrics("m")
+    metrics.record_scheduler_stats(stats)
+    text = metrics.render()[0].decode()
+    assert 'ferry:num_requests_running{model_name="m"} 6.0' in text
+    for replica in ("0", "1"):
+        assert f'ferry:replica_num_requests_running{{model_name="m",replica="{replica}"}} 3.0' in text
+    finished = set()
+    while engine.has_unfinished():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == set(ids) and engine.num_requests == 0
+    assert engine.stats()["num_running"] == 0
