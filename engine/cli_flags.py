@@ -23,6 +23,7 @@ from absl import flags, logging
 
 import models  # its package directory holds the embedded model's directory
 from engine.engine import WARMUP_MODES, EngineConfig
+from engine.multihost import DistributedConfig
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from models.gguf import GGUF_SUFFIX
 from models.packaged import PACKAGED_MODELS, resolve_packaged
@@ -103,9 +104,32 @@ def define_engine_flags():
                          "blocks another request already computed (--noenable_prefix_caching: off)")
     flags.DEFINE_integer("engine_seed", d.seed, "draws the sampling seed of every request that sets none "
                          "(EngineConfig.seed)")
+    flags.DEFINE_integer("tensor_parallel_size", d.tensor_parallel_size, "devices one model is split over "
+                         "(heads, MLP units and vocabulary; the KV cache by KV heads)", lower_bound=1)
+    flags.DEFINE_integer("data_parallel_size", d.data_parallel_size, "independent model replicas, each on its "
+                         "own --tensor_parallel_size devices; requests go to the least loaded", lower_bound=1)
     flags.DEFINE_enum("warmup", d.warmup, WARMUP_MODES, "compile step shapes at start-up: full (all, before "
                       "serving), lazy (greedy ones first, the sampling ones in the background), none (each on "
                       "first use); --nowarmup is --warmup=none")
+
+
+def define_distributed_flags():
+    """Multi-host (engine/multihost.py): one process per host, process 0 leads."""
+    if not _once("distributed"):
+        return
+    d = DistributedConfig()
+    flags.DEFINE_string("coordinator_address", d.coordinator_address, "host:port of process 0 for "
+                        "jax.distributed; unset: one process (or the cluster's environment with --num_processes)")
+    flags.DEFINE_integer("num_processes", d.num_processes, "processes (hosts) in the job", lower_bound=1)
+    flags.DEFINE_integer("process_id", d.process_id, "this process's index; 0 serves, the others follow",
+                         lower_bound=0)
+    flags.DEFINE_integer("distributed_timeout_s", d.timeout_s, "seconds to wait for the other processes at "
+                         "start-up, and before a dead one ends the job", lower_bound=1)
+
+
+def distributed_config_from_flags() -> DistributedConfig:
+    return DistributedConfig(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                             FLAGS.distributed_timeout_s)
 
 
 def define_sampling_flags():

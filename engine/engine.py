@@ -12,7 +12,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from tqdm.auto import tqdm
@@ -22,12 +22,14 @@ log = logging.getLogger("ferry")
 WARMUP_MODES = ("full", "lazy", "none")
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.multihost import agree_min
 from engine.request import Request
 from engine.runner import CompileCounter, ModelRunner, RunnerOutput, kv_bytes_per_block, num_blocks_for_memory
 from engine.sampling_params import MAX_SEED, SamplingParams, SamplingParamsError, is_valid_unicode
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured import CompiledGrammar, GrammarCompiler
 from models.loading import LoadedModel, load_model
+from models.sharding import engine_devices, loading_device, make_mesh, shard_model
 from models.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("ferry")
@@ -56,6 +58,8 @@ class EngineConfig:
     dtype: str | None = None               # model dtype when loading from a path
     seed: int = 0                          # draws the seeds of requests that give none
     enable_prefix_caching: bool = True     # reuse the K/V of cached leading prompt blocks (kv_cache_manager)
+    tensor_parallel_size: int = 1          # devices one model is split over (models/sharding.py)
+    data_parallel_size: int = 1            # independent replicas, each on its own tensor_parallel_size devices
     warmup: str = "none"                   # compile in __init__: "full" every step shape, both samplers;
                                            # "lazy" the greedy ones, the full sampler's in the background;
                                            # "none" each shape on first use
@@ -67,7 +71,8 @@ class EngineConfig:
             raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, not {self.warmup!r}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, not {self.cpu_kv_cache_gib}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
@@ -148,20 +153,30 @@ def enable_compilation_cache():
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+def model_tokenizer(model: LoadedModel) -> Tokenizer | None:
+    """The tokenizer beside the model's checkpoint; None without one (token ids in, token ids out)."""
+    if model.path is None:
+        return None
+    try:
+        return load_tokenizer(model.path)
+    except FileNotFoundError:
+        return None
+
+
 class LLMEngine:
     def __init__(self, model: LoadedModel | str, config: EngineConfig | None = None,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, devices=None):
+        """`devices`: the tensor_parallel_size devices this engine runs on (default: the first ones)."""
         config = config or EngineConfig()
         started = time.perf_counter()
         enable_compilation_cache()
+        mesh = make_mesh(engine_devices(config.tensor_parallel_size, devices))
         if isinstance(model, str):
-            model = load_model(model, config.dtype)
+            with jax.default_device(loading_device(mesh)):
+                model = load_model(model, config.dtype)
+        model = shard_model(model, mesh)
         load_s = time.perf_counter() - started
-        if tokenizer is None and model.path is not None:
-            try:
-                tokenizer = load_tokenizer(model.path)
-            except FileNotFoundError:
-                tokenizer = None  # token ids in, token ids out
+        tokenizer = tokenizer or model_tokenizer(model)
         self.model, self.config, self.tokenizer = model, config, tokenizer
         max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
         kv_dtype = config.kv_dtype or model.dtype
@@ -169,7 +184,9 @@ class LLMEngine:
         num_blocks = config.num_blocks or num_blocks_for_memory(
             model.cfg, config.block_size, kv_dtype, config.memory_fraction,
             cap_blocks=1 + config.max_num_seqs * math.ceil(max_model_len / config.block_size),
-            cpu_budget_bytes=int(config.cpu_kv_cache_gib * 2**30))
+            cpu_budget_bytes=int(config.cpu_kv_cache_gib * 2**30), devices=list(mesh.devices.flat))
+        if jax.process_count() > 1:  # multi-host: every process must allocate the same cache
+            num_blocks = agree_min("num_blocks", num_blocks)
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
@@ -180,7 +197,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max_tokens, max_model_len=max_model_len, kv_dtype=kv_dtype,
-            attention_impl=config.attention_impl)
+            attention_impl=config.attention_impl, mesh=mesh)
         self.eos_token_ids = tuple(model.cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
         self._groups: dict[str, _Group] = {}
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
@@ -316,6 +333,29 @@ class LLMEngine:
     @property
     def num_requests(self) -> int:
         return len(self._groups)
+
+    def full_output(self, request_id: str) -> Callable[[], RequestOutput]:
+        """A function that renders the request's whole output so far (not a delta), also once finished."""
+        group = self._groups[request_id]
+        return lambda: self._output(group, group.samples, delta=False)
+
+    def stats(self) -> dict:
+        """The scheduler's counters (Scheduler.stats), for metrics and logs."""
+        return self.scheduler.stats()
+
+    def last_step_trace(self) -> list:
+        """The scheduler's decisions in the last step: [(phase, info), ...]."""
+        return self.scheduler.step_traces[-1] if self.scheduler.step_traces else []
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.scheduler.block_pool.num_total
+
+    @property
+    def timings(self) -> dict:
+        """Cumulative seconds by phase (schedule, execute, postprocess; the runner's pack and device
+        shares of execute) and the step count."""
+        return self.step_times | self.runner.timings
 
     # -------------------------------------------------------------- the loop
 
@@ -512,7 +552,9 @@ class LLM:
     """
 
     def __init__(self, model: LoadedModel | str, config: EngineConfig | None = None, **config_kwargs):
-        self.engine = LLMEngine(model, config or EngineConfig(**config_kwargs))
+        from engine.data_parallel import make_engine  # noqa: PLC0415 (it builds on this module)
+
+        self.engine = make_engine(model, config or EngineConfig(**config_kwargs))
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -536,15 +578,14 @@ class LLM:
                 engine.abort(rid)
             raise
         finals: dict[str, RequestOutput] = {}
-        groups = {rid: engine._groups[rid] for rid in ids}
+        full_outputs = {rid: engine.full_output(rid) for rid in ids}
         t0, generated = time.perf_counter(), 0
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while len(finals) < len(ids):
                 for delta in engine.step():
                     generated += sum(len(o.token_ids) for o in delta.outputs)
-                    if delta.finished and delta.request_id in groups:
-                        finals[delta.request_id] = engine._output(groups[delta.request_id],
-                                                                  groups[delta.request_id].samples, delta=False)
+                    if delta.finished and delta.request_id in full_outputs:
+                        finals[delta.request_id] = full_outputs[delta.request_id]()
                         bar.update(1)
                 bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - t0, 1e-9):.1f}")
         return [finals[rid] for rid in ids]

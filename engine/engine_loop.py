@@ -260,7 +260,7 @@ class EngineLoop:
                 self._abort(command.request_ids)
         if self.engine.has_unfinished():
             self._step()
-        stats = self.engine.scheduler.stats()
+        stats = self.engine.stats()
         self.metrics.record_scheduler_stats(stats)
         self._throughput.maybe_log(stats)
         return True
@@ -331,8 +331,7 @@ class EngineLoop:
     def _note_first_scheduled(self, step_start: float) -> None:
         """Queue time ends when the scheduler first admits a request; the step's trace names who it admitted
         (sample ids `<request id>#<sample>`)."""
-        trace = self.engine.scheduler.step_traces[-1] if self.engine.scheduler.step_traces else []
-        for phase, info in trace:
+        for phase, info in self.engine.last_step_trace():
             if phase != "admit":
                 continue
             for sample_id in list(info.get("admitted", ())) + list(info.get("pending", ())):

@@ -58,6 +58,13 @@ class ServerMetrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Of those tokens, the ones found in the prefix cache.")
         self.prefix_cache_hit_rate = gauge("prefix_cache_hit_rate",
                                            "Prefix-cache hits / queries since start (1 = 100%).")
+        # Data parallel (engine/data_parallel.py): the gauges above are the replicas' totals; these split them.
+        self._replica_gauges = {
+            key: Gauge(PREFIX + "replica_" + name, doc, labels + ["replica"], registry=self.registry)
+            for key, name, doc in (
+                ("num_running", "num_requests_running", "Sequences holding device KV blocks, per replica."),
+                ("num_waiting", "num_requests_waiting", "Sequences waiting to be scheduled, per replica."),
+                ("kv_usage", "kv_cache_usage_perc", "Fraction of the replica's KV blocks in use."))}
         self._totals_seen: dict[str, int] = {}  # cumulative scheduler counts already turned into increments
         # Every label value exists from the start, so a scrape shows zeros rather than missing series.
         for mode in ("swap", "recompute"):
@@ -77,6 +84,9 @@ class ServerMetrics:
             self._increment(self._preemptions.labels(self.model_name, mode), f"preemptions/{mode}", total)
         self._increment(self.prefix_cache_queries, "prefix_cache_queries", stats["prefix_cache_queries"])
         self._increment(self.prefix_cache_hits, "prefix_cache_hits", stats["prefix_cache_hits"])
+        for i, replica in enumerate(stats.get("replicas", ())):
+            for key, metric in self._replica_gauges.items():
+                metric.labels(self.model_name, str(i)).set(replica[key])
 
     def _increment(self, counter, key: str, total: int) -> None:
         new = total - self._totals_seen.get(key, 0)

@@ -28,6 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.step import prompt_logprobs_step, sample_step
 from models.loading import LoadedModel
 from models.paged import NULL_BLOCK, init_kv_cache
+from models.sharding import kv_cache_sharding, make_mesh
 
 log = logging.getLogger("ferry")
 
@@ -114,31 +115,43 @@ def _scatter_blocks(kv_cache, block_ids, blocks):
     return tuple(pages.at[:, block_ids].set(new) for pages, new in zip(kv_cache, blocks))
 
 
-def host_memory_sharding():
-    """Pinned host memory where the backend has it (GPU, TPU, recent CPU), else None (numpy)."""
-    device = jax.devices()[0]
-    kinds = {m.kind for m in device.addressable_memories()}
-    if "pinned_host" in kinds:
-        return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+def host_memory_sharding(mesh):
+    """The cache's sharding in pinned host memory where every device has it (GPU, TPU, recent CPU), else
+    None (numpy: single-process only)."""
+    if all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in mesh.devices.flat):
+        return kv_cache_sharding(mesh, memory_kind="pinned_host")
     return None
 
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, *, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, kv_dtype=None, attention_impl=None):
+                 max_num_batched_tokens: int, max_model_len: int, kv_dtype=None, attention_impl=None,
+                 mesh: jax.sharding.Mesh | None = None):
+        """`model` is already placed on `mesh` (models.sharding.shard_model); None: one device, the default."""
         cfg = model.cfg
         self.model, self.block_size, self.attention_impl = model, block_size, attention_impl
         self.kv_dtype = jnp.dtype(kv_dtype or model.dtype)
-        self.device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        self.mesh = mesh or make_mesh(jax.devices()[:1])
+        self.device_sharding = kv_cache_sharding(self.mesh)
         # Committed to the device from the start: every later cache (step or swap output) is too, so
         # the jitted step sees one input placement and compiles each shape once.
-        self.kv_cache = jax.device_put(init_kv_cache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
-                                                     cfg.head_dim, self.kv_dtype), self.device_sharding)
+        self.kv_cache = jax.jit(  # zeros made in place on each device: no full copy of the cache anywhere
+            functools.partial(init_kv_cache, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                              self.kv_dtype),
+            out_shardings=(self.device_sharding, self.device_sharding))()
         self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
-        self.host_sharding = host_memory_sharding()
+        self.host_sharding = host_memory_sharding(self.mesh)
         self.swapped: dict[tuple[int, ...], list] = {}  # host block ids -> the blocks' contents in host memory
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
         self._background: threading.Thread | None = None  # warm-up's full-sampler compiles, if any
+        # Multi-host (engine/multihost.py): publish(op, args) tells the other processes to make the same
+        # device call, `getattr(runner, op)(*args)`, so all enter the same programs in the same order.
+        self.publish = None
+
+    def _device_call(self, op: str, *args):
+        if self.publish is not None:
+            self.publish(op, args)
+        return getattr(self, op)(*args)
 
     # -------------------------------------------------------------- plan execution
 
@@ -150,9 +163,9 @@ class ModelRunner:
     def swap(self, plan) -> None:
         """The plan's block copies, swap-outs first: those device blocks may be reused by swap-ins."""
         for device_ids, host_ids in plan.swap_out:
-            self._swap_out(device_ids, host_ids)
+            self._device_call("_swap_out", list(device_ids), list(host_ids))
         for host_ids, device_ids in plan.swap_in:
-            self._swap_in(host_ids, device_ids)
+            self._device_call("_swap_in", list(host_ids), list(device_ids))
 
     def run(self, prefills, decodes) -> "RunnerOutput":
         """The model over prefill chunks and decoding requests. Running a request again with the same
@@ -231,24 +244,35 @@ class ModelRunner:
         sampling_md = (build_sampling_metadata(rows, layout.num_seqs, layout.width * self.block_size,
                                                self.model.cfg.vocab_size)
                        if mode == "full" else None)
-        t1 = time.perf_counter()
-        m = self.model
-        if score_chunk is None:
-            sample, self.kv_cache = sample_step(m.graphdef, m.state, self.kv_cache, buf, sampling_md, layout, mode,
-                                                self.attention_impl)
-        else:
-            next_ids, num_top = self._next_prompt_ids(score_chunk, layout.num_tokens)
+        scoring = None
+        if score_chunk is not None:
             sample_rows = np.zeros(layout.num_seqs, np.int32)
             sample_rows[0] = score_chunk.length - 1
-            scores, sample, self.kv_cache = prompt_logprobs_step(
-                m.graphdef, m.state, self.kv_cache, buf, sampling_md, next_ids, sample_rows, layout, mode,
-                num_top, self.attention_impl)
+            scoring = (*self._next_prompt_ids(score_chunk, layout.num_tokens), sample_rows)
+        t1 = time.perf_counter()
+        sample, scores = self._device_call("device_step", buf, sampling_md, layout, mode, scoring)
         sample = jax.device_get((sample.tokens, sample.logprob, sample.top_ids, sample.top_logprobs))
         self.timings["pack_s"] += t1 - t0
         self.timings["device_s"] += time.perf_counter() - t1
         if score_chunk is None:
             return sample
         return sample, self._prompt_scores(score_chunk, jax.device_get(scores))
+
+    def device_step(self, buf, sampling_md, layout: StepLayout, mode: str, scoring=None):
+        """The one jitted call of a step, from host inputs only (so other processes can replay it):
+        the packed buffer, the sampling metadata, and for a scored prompt (next_ids, num_top, sample_rows).
+        Returns the on-device (SampleOutput, prompt scores or None)."""
+        m = self.model
+        with jax.set_mesh(self.mesh):
+            if scoring is None:
+                sample, self.kv_cache = sample_step(m.graphdef, m.state, self.kv_cache, buf, sampling_md, layout,
+                                                    mode, self.attention_impl)
+                return sample, None
+            next_ids, num_top, sample_rows = scoring
+            scores, sample, self.kv_cache = prompt_logprobs_step(
+                m.graphdef, m.state, self.kv_cache, buf, sampling_md, next_ids, sample_rows, layout, mode,
+                num_top, self.attention_impl)
+            return sample, scores
 
     def _next_prompt_ids(self, chunk, num_rows):
         """The prompt token each row predicts (-1 past the prompt), and how many top logprobs to keep."""
@@ -289,11 +313,17 @@ class ModelRunner:
 
     def drop_swapped(self, host_ids):
         """A swapped request was aborted: forget its host copy."""
+        self._device_call("_drop_swapped", list(host_ids))
+
+    def _drop_swapped(self, host_ids):
         self.swapped.pop(tuple(host_ids), None)
 
     # -------------------------------------------------------------- warm-up
 
     def warmup(self, sampling: bool = True, background: bool = False) -> float:
+        return self._device_call("_warmup", sampling, background)
+
+    def _warmup(self, sampling: bool, background: bool) -> float:
         """Compile every step layout for the greedy sampler and, if `sampling`, for the full one too,
         and every swap size. With `background` the full sampler's programs compile on a thread after
         this returns (`wait_for_warmup` joins it; a sampled request that comes first compiles its own).
@@ -338,8 +368,9 @@ class ModelRunner:
             buf = np.zeros(layout.size, np.int32)
             sampling_md = (build_sampling_metadata([], layout.num_seqs, layout.width * self.block_size,
                                                    m.cfg.vocab_size) if mode == "full" else None)
-            sample_step.lower(m.graphdef, m.state, cache, buf, sampling_md, layout, mode,
-                              self.attention_impl).compile()
+            with jax.set_mesh(self.mesh):  # per thread: the mesh context is thread-local
+                sample_step.lower(m.graphdef, m.state, cache, buf, sampling_md, layout, mode,
+                                  self.attention_impl).compile()
 
         with (concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool,
               tqdm(total=len(programs), desc="warm-up", unit="program", disable=not progress) as bar):
@@ -398,16 +429,18 @@ def kv_bytes_per_block(cfg, block_size, dtype) -> int:
 
 
 def num_blocks_for_memory(cfg, block_size, dtype, memory_fraction: float, cap_blocks: int,
-                          cpu_budget_bytes: int) -> int:
+                          cpu_budget_bytes: int, devices=None) -> int:
     """KV blocks that fit in `memory_fraction` of an accelerator's free memory, or on CPU (or a
     device that reports no memory) in `cpu_budget_bytes`: a fixed budget, as vLLM's CPU backend, not a
     share of host RAM (half of it was gigabytes of zeros to allocate for a small model). At most
-    `cap_blocks`: more than every sequence at full length could use is waste."""
-    device = jax.devices()[0]
-    stats = (device.memory_stats() or {}) if device.platform != "cpu" else {}
+    `cap_blocks`: more than every sequence at full length could use is waste. Over `devices` (tensor
+    parallel), each holds 1/len(devices) of every block, so an accelerator's budget is per device."""
+    devices = devices or jax.devices()[:1]
+    stats = (devices[0].memory_stats() or {}) if devices[0].platform != "cpu" else {}
+    block_bytes = kv_bytes_per_block(cfg, block_size, dtype)
     if "bytes_limit" in stats:
         budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * memory_fraction)
+        block_bytes //= len(devices)
     else:
         budget = cpu_budget_bytes
-    blocks = budget // kv_bytes_per_block(cfg, block_size, dtype)
-    return max(2, min(blocks, cap_blocks))
+    return max(2, min(budget // block_bytes, cap_blocks))

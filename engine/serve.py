@@ -5,7 +5,8 @@
 Every EngineConfig field is a flag (engine/cli_flags.py; EngineConfig.seed is --engine_seed). Server flags:
 --host, --port, --served_model_name, --api_key (default $FERRY_API_KEY), --max_waiting,
 --log_interval_s, the request limits (--max_request_bytes, --max_prompt_chars, --max_stop_strings,
---max_stop_chars) and --shutdown_timeout. The engine flag --warmup defaults to lazy here.
+--max_stop_chars) and --shutdown_timeout. The engine flag --warmup defaults to lazy here. Multi-host
+(engine/multihost.py): --coordinator_address, --num_processes, --process_id on every host; process 0 serves.
 Once listening it prints the URL and a curl line to try.
 
 Exit status: 0 after a graceful shutdown (SIGTERM or Ctrl-C: stop accepting, let running requests finish
@@ -20,17 +21,19 @@ import os
 import shlex
 import sys
 
+import jax
 import uvicorn
 from absl import app, flags
 
-from engine import cli_flags
-from engine.engine import LLMEngine
+from engine import cli_flags, multihost
+from engine.data_parallel import make_engine
 from engine.server import ServerConfig, build_app
 
 FLAGS = flags.FLAGS
 
 cli_flags.define_model_flags()
 cli_flags.define_engine_flags()
+cli_flags.define_distributed_flags()
 flags.adopt_module_key_flags(cli_flags)  # --help lists the shared flags too
 flags.DEFINE_string("host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)")
 flags.DEFINE_integer("port", 8000, "port to listen on", lower_bound=0, upper_bound=65535)
@@ -122,11 +125,22 @@ def run(argv: list[str]):
     logging.getLogger("ferry").setLevel(logging.INFO)
     try:
         model_dir = cli_flags.resolve_model_dir(FLAGS.model)
-        engine = LLMEngine(model_dir, cli_flags.engine_config_from_flags())
+        engine_config = cli_flags.engine_config_from_flags()
+        distributed = cli_flags.distributed_config_from_flags()
+        if multihost.initialize(distributed) and engine_config.data_parallel_size > 1:
+            raise ValueError("--data_parallel_size > 1 is not supported across processes: run one job per replica")
+        engine = make_engine(model_dir, engine_config)
     except (ValueError, FileNotFoundError) as e:
         cli_flags.exit_usage_error(str(e))
+    channel = multihost.CallChannel(distributed.timeout_s) if jax.process_count() > 1 else None
+    if channel is not None and jax.process_index() > 0:
+        log.info("process %d follows process 0 (which serves)", jax.process_index())
+        multihost.follow(engine.runner, channel)
+        return
+    if channel is not None:
+        multihost.lead(engine, channel)
     log.info("engine ready: max_model_len=%d, %d KV blocks of %d tokens", engine.max_model_len,
-                engine.scheduler.block_pool.num_total, engine.config.block_size)
+                engine.num_kv_blocks, engine.config.block_size)
     config = server_config_from_flags(model_dir)
     uvicorn_config = uvicorn.Config(None, host=FLAGS.host, port=FLAGS.port, log_level="info",
                                     timeout_graceful_shutdown=5)
@@ -136,6 +150,9 @@ def run(argv: list[str]):
         server.run()
     except KeyboardInterrupt:  # a second Ctrl-C stopped it at once: exit quietly
         pass
+    finally:
+        if channel is not None:
+            channel.close()  # the followers exit too
     if server.engine_died:
         log.error("the engine died; exiting with status 1 so a supervisor can restart the server")
         sys.exit(1)

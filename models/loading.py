@@ -234,7 +234,8 @@ def load_checkpoint(ckpt_dir: str, dtype=None) -> LoadedModel:
         saved_dtype = next(iter(stored.values())).dtype
         dtype = _dtype(dtype) or jnp.dtype(saved_dtype)
         graphdef, abstract = abstract_model(cfg, saved_dtype)
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        # the default device: the host when the engine loads for several devices (models/sharding.py)
+        sharding = jax.sharding.SingleDeviceSharding(jax.config.jax_default_device or jax.devices()[0])
         target = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
                   for name, leaf in _per_layer_leaves(abstract).items()}
         arrays = ckptr.restore(params_dir, target)

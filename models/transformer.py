@@ -7,12 +7,16 @@ traces and compiles one layer, so start-up cost does not grow with depth. The fo
 it writes this step's K/V into the cache and attends through block tables (models/paged.py).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from models.paged import AttentionMetadata, KVCache, layer_pool, write_kv
+from models.sharding import HEADS_SPEC, KV_POOL_SPEC, MODEL_AXIS, model_axis_size
 from pallas_kernels.attention import paged_attention
 
 _INIT = nnx.initializers.normal(0.02)
@@ -72,11 +76,24 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_pages, v_pages = write_kv(*kv, k, v, md.slot_mapping)
-        out = paged_attention(
-            q, k_pages, v_pages, md.block_tables, md.context_lens, md.query_start_loc,
-            decode=md.decode, scale=cfg.query_scale, soft_cap=cfg.attn_logit_softcap, impl=attention_impl)
-        return self.o_proj(out.reshape(num_tokens, -1)), (k_pages, v_pages)
+        attend = functools.partial(_write_and_attend, cfg=cfg, attention_impl=attention_impl)
+        if model_axis_size() > 1:
+            # Per shard: its query heads, its KV heads, its pages. XLA cannot partition the kernels'
+            # custom calls, and would otherwise gather the whole cache onto every device.
+            pages = (KV_POOL_SPEC, KV_POOL_SPEC)
+            attend = jax.shard_map(attend, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, pages, P()),
+                                   out_specs=(HEADS_SPEC, pages))
+        out, kv = attend(q, k, v, kv, md)
+        return self.o_proj(out.reshape(num_tokens, -1)), kv
+
+
+def _write_and_attend(q, k, v, kv, md: AttentionMetadata, *, cfg: ModelConfig, attention_impl):
+    """Scatter this step's k/v [T, Hkv, D] into the pages, then attend q [T, Hq, D] through them."""
+    k_pages, v_pages = write_kv(*kv, k, v, md.slot_mapping)
+    out = paged_attention(
+        q, k_pages, v_pages, md.block_tables, md.context_lens, md.query_start_loc,
+        decode=md.decode, scale=cfg.query_scale, soft_cap=cfg.attn_logit_softcap, impl=attention_impl)
+    return out, (k_pages, v_pages)
 
 
 class MLP(nnx.Module):
@@ -152,6 +169,11 @@ class Transformer(nnx.Module):
             logits = self.embed_tokens.attend(x)
         else:
             logits = self.lm_head(x)
+        if model_axis_size() > 1:
+            # Vocabulary-sharded rows, then one all-gather of them for the sampler: left free, XLA may
+            # all-gather the [hidden, vocab] head instead (seen for prefill), gigabytes on a real model.
+            logits = jax.lax.with_sharding_constraint(logits, P(None, MODEL_AXIS))
+            logits = jax.lax.with_sharding_constraint(logits, P())
         logits = logits.astype(jnp.float32)
         if cfg.final_logit_softcap:
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)

@@ -56,7 +56,8 @@ import numpy as np
 from absl import app, flags, logging
 
 import bench_common as bc
-from engine.engine import EngineConfig, LLMEngine
+from engine.data_parallel import make_engine
+from engine.engine import EngineConfig
 from engine.runner import CompileCounter
 from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
@@ -95,6 +96,8 @@ flags.DEFINE_integer("static_batch", 16, "requests per batch for ferry-static an
 flags.DEFINE_bool("static_sort", False, "sort requests by prompt length before cutting static batches")
 # Ferry engine
 flags.DEFINE_integer("max_num_seqs", 64, "EngineConfig.max_num_seqs")
+flags.DEFINE_integer("tensor_parallel_size", 1, "EngineConfig.tensor_parallel_size", lower_bound=1)
+flags.DEFINE_integer("data_parallel_size", 1, "EngineConfig.data_parallel_size", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 512, "EngineConfig.max_num_batched_tokens")
 flags.DEFINE_integer("block_size", 16, "EngineConfig.block_size")
 flags.DEFINE_integer("num_blocks", None, "EngineConfig.num_blocks (default: from --memory_fraction)")
@@ -147,7 +150,7 @@ class FerryBackend:
 
     def __init__(self, name: str, model: LoadedModel, config: EngineConfig, batch_size: int | None):
         self.name, self.batch_size = name, batch_size
-        self.engine = LLMEngine(model, config)
+        self.engine = make_engine(model, config)
         self._submitted: dict[str, tuple[int, float]] = {}  # engine request id -> (request index, submit time)
 
     def warmup(self) -> float:
@@ -183,7 +186,7 @@ class FerryBackend:
                         for j in followers.get(i, []):  # the chat's next turn, now that its answer is in
                             self._submit(requests, j, histories)
                         histories.pop(i, None)
-                peak_kv = max(peak_kv, engine.scheduler.stats()["kv_usage"])
+                peak_kv = max(peak_kv, engine.stats()["kv_usage"])
         elapsed = time.perf_counter() - t0
         return Run(elapsed, produced, self._extras(before, self._counters(), peak_kv) | {
             "ttft_ms_p50": 1e3 * bc.median(ttft), "ttft_ms_p99": 1e3 * bc.summarize(ttft)["p99"]})
@@ -197,8 +200,8 @@ class FerryBackend:
 
     def _counters(self) -> dict:
         engine = self.engine
-        stats = engine.scheduler.stats()
-        return {**engine.step_times, **engine.runner.timings, "compiles": CompileCounter.count,
+        stats = engine.stats()
+        return {**engine.timings, "compiles": CompileCounter.count,
                 "preemptions": sum(stats["preemptions"].values()), "prefix_cache_queries": stats["prefix_cache_queries"],
                 "prefix_cache_hits": stats["prefix_cache_hits"]}
 
@@ -384,7 +387,8 @@ def engine_config(requests: list[bc.BenchRequest]) -> EngineConfig:
     return EngineConfig(block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks,
                         memory_fraction=FLAGS.memory_fraction, max_num_seqs=FLAGS.max_num_seqs,
                         max_num_batched_tokens=FLAGS.max_num_batched_tokens, chunk_size=FLAGS.chunk_size,
-                        max_model_len=FLAGS.max_model_len or longest)
+                        max_model_len=FLAGS.max_model_len or longest,
+                        tensor_parallel_size=FLAGS.tensor_parallel_size, data_parallel_size=FLAGS.data_parallel_size)
 
 
 def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: EngineConfig):

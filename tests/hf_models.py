@@ -54,8 +54,11 @@ def make_hf_model(arch: str, out_dir, seed: int = 0, dtype=torch.float32, **over
 
 def hf_greedy(model, prompt: list[int], num_new: int):
     """(tokens, per-step logits [num_new, vocab]) from transformers' own generate."""
+    ids = torch.tensor([prompt])
+    # An explicit mask: a prompt may hold the pad id (e.g. a second turn that resends a generated answer),
+    # and generate would otherwise infer the mask from it and hide those tokens.
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, torch.stack(out.logits, dim=1)[0].float().numpy()

@@ -1,0 +1,90 @@
+"""Tensor- and data-parallel runs on forced CPU devices, for tests/test_parallel.py (which compares what
+this writes against transformers): XLA_FLAGS=--xla_force_host_platform_device_count=4 must be set before
+jax starts, so it runs in its own process.
+
+    python tests/multidevice_driver.py JOB_JSON OUT_JSON
+"""
+
+import json
+import re
+import sys
+
+import jax
+import numpy as np
+
+from engine.engine import LLM, EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.step import sample_step
+
+
+def greedy(job, model_dir, **config):
+    llm = LLM(model_dir, EngineConfig(**job["config"], **config))
+    outs = llm.generate(job["prompts"], SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True),
+                        use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def collectives(llm) -> dict:
+    """{"decode"/"prefill": {op: [result shapes]}} of the compiled greedy step."""
+    runner = llm.engine.runner
+    m, out = runner.model, {}
+    layouts = runner.buckets.step_layouts()
+    for name, layout in (("decode", layouts[0]), ("prefill", layouts[-1])):
+        with jax.set_mesh(runner.mesh):
+            hlo = sample_step.lower(m.graphdef, m.state, runner.kv_cache, np.zeros(layout.size, np.int32), None,
+                                    layout, "greedy", runner.attention_impl).compile().as_text()
+        out[name] = {op: re.findall(rf"= \w+\[([\d,]*)\]\S* {op}\(", hlo)
+                     for op in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")}
+    return out
+
+
+def placement(llm) -> dict:
+    """Bytes of parameters and KV cache per device, and their totals."""
+    def per_device(arrays):
+        sizes = {}
+        for a in arrays:
+            for shard in a.addressable_shards:
+                sizes[str(shard.device)] = sizes.get(str(shard.device), 0) + shard.data.nbytes
+        return sizes
+
+    params = jax.tree.leaves(llm.engine.runner.model.state)
+    cache = llm.engine.runner.kv_cache
+    return {"params_per_device": per_device(params), "params_total": sum(a.nbytes for a in params),
+            "params_replicated": sum(a.nbytes for a in params if a.sharding.is_fully_replicated),
+            "kv_per_device": per_device(cache), "kv_total": sum(a.nbytes for a in cache),
+            "kv_shape": list(cache[0].shape), "num_kv_heads": llm.engine.model.cfg.num_kv_heads}
+
+
+def main(job_path, out_path):
+    job = json.load(open(job_path))
+    out = {"tp": {}, "preempt": {}, "hlo": {}, "placement": {}, "dp": {}}
+    for arch, model_dir in job["models"].items():
+        for tp in job["tp_sizes"]:
+            llm, tokens = greedy(job, model_dir, tensor_parallel_size=tp)
+            out["tp"][f"{arch}/{tp}"] = tokens
+            if arch == job["inspect_arch"] and tp > 1:
+                out["hlo"][str(tp)] = collectives(llm)
+                out["placement"][str(tp)] = placement(llm)
+    model_dir = job["models"][job["inspect_arch"]]
+    for mode in ("swap", "recompute"):
+        llm, tokens = greedy(job, model_dir, tensor_parallel_size=2, num_blocks=job["tight_num_blocks"],
+                             preemption_mode=mode)
+        out["preempt"][mode] = {"tokens": tokens, "preemptions": llm.engine.stats()["preemptions"]}
+    # Data parallel: a mixed greedy / seeded-sampling workload, one replica against two.
+    rng = np.random.default_rng(job["seed"])
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, top_p=0.95, seed=int(rng.integers(1 << 30)),
+                             max_tokens=int(rng.integers(4, job["max_tokens"])), ignore_eos=True)
+              for i in range(len(job["dp_prompts"]))]
+    for dp, tp in ((1, 1), (2, 1), (2, 2)):
+        llm = LLM(model_dir, EngineConfig(**job["config"], data_parallel_size=dp, tensor_parallel_size=tp))
+        outs = llm.generate(job["dp_prompts"], params, use_tqdm=False)
+        stats = llm.engine.stats()
+        out["dp"][f"{dp}x{tp}"] = {"tokens": [o.outputs[0].token_ids for o in outs],
+                                   "replica_steps": [s["step"] for s in stats.get("replicas", [stats])],
+                                   "replica_queries": [s["prefix_cache_requests"] for s in
+                                                       stats.get("replicas", [stats])]}
+    json.dump(out, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
