@@ -7,6 +7,7 @@ that samples this step. `warmup()` compiles every bucket up front; after it, `co
 any new compilation an error (the tpu-inference guard).
 """
 
+import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -144,6 +145,7 @@ class ModelRunner:
         self.swapped: dict[tuple[int, ...], list] = {}  # host block ids -> the blocks' contents in host memory
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
         self._background: threading.Thread | None = None  # warm-up's full-sampler compiles, if any
+        self._stop_background = threading.Event()
         # Multi-host (engine/multihost.py): publish(op, args) tells the other processes to make the same
         # device call, `getattr(runner, op)(*args)`, so all enter the same programs in the same order.
         self.publish = None
@@ -343,6 +345,10 @@ class ModelRunner:
         if later:
             self._background = threading.Thread(target=self._compile_steps, args=(later, cache, 1, False),
                                                 name="ferry-warmup", daemon=True)
+            self._stop_background.clear()
+            # At exit, stop after the compile in progress: the interpreter must not finalize under it (an
+            # abort), nor wait for every queued program (a SIGTERM'd server took a minute to exit).
+            atexit.register(self.stop_background_warmup)
             self._background.start()
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
         elapsed = time.perf_counter() - t0
@@ -357,6 +363,12 @@ class ModelRunner:
         if self._background is not None:
             self._background.join()
             self._background = None
+            atexit.unregister(self.stop_background_warmup)
+
+    def stop_background_warmup(self):
+        """Let the background compilation finish the program in progress and stop; the rest compile on use."""
+        self._stop_background.set()
+        self.wait_for_warmup()
 
     def _compile_steps(self, programs, cache, threads: int, progress: bool):
         """Compile sample_step for each (layout, sampler mode) against `cache` (ShapeDtypeStructs),
@@ -372,7 +384,15 @@ class ModelRunner:
                 sample_step.lower(m.graphdef, m.state, cache, buf, sampling_md, layout, mode,
                                   self.attention_impl).compile()
 
-        with (concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool,
+        if threads == 1:  # the background warm-up: stops early when asked (stop_background_warmup)
+            for i, program in enumerate(programs):
+                if self._stop_background.is_set():
+                    log.info("warm-up: background compilation stopped, %d programs left to compile on first use",
+                             len(programs) - i)
+                    return
+                compile_one(program)
+            return
+        with (concurrent.futures.ThreadPoolExecutor(threads) as pool,
               tqdm(total=len(programs), desc="warm-up", unit="program", disable=not progress) as bar):
             for future in concurrent.futures.as_completed([pool.submit(compile_one, p) for p in programs]):
                 future.result()
