@@ -24,7 +24,7 @@ from absl import flags, logging
 import models  # its package directory holds the embedded model's directory
 from engine.engine import WARMUP_MODES, EngineConfig
 from engine.multihost import DistributedConfig
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from models.gguf import GGUF_SUFFIX
 from models.packaged import PACKAGED_MODELS, resolve_packaged
 from pallas_kernels.attention import IMPLS as ATTENTION_IMPLS
@@ -161,6 +161,8 @@ def define_sampling_flags():
     flags.DEFINE_boolean("skip_special_tokens", d.skip_special_tokens, "leave special tokens out of the text")
     flags.DEFINE_boolean("include_stop_str_in_output", d.include_stop_str_in_output,
                          "keep the matched stop string in the text")
+    flags.DEFINE_string("structured_outputs", None, 'constrained decoding, as JSON: {"json": SCHEMA}, '
+                        '{"json_object": true}, {"regex": "..."}, {"choice": [...]} or {"grammar": "LARK"}')
 
 
 # ------------------------------------------------------------------ builders
@@ -179,6 +181,11 @@ def sampling_params_from_flags() -> SamplingParams:
     """SamplingParams from the sampling flags; SamplingParamsError (its .field is the flag) if invalid."""
     values = {f.name: getattr(FLAGS, f.name) for f in dataclasses.fields(SamplingParams)}
     values["stop"] = [unescape(s) for s in values["stop"]]
+    if values["structured_outputs"] is not None:
+        try:
+            values["structured_outputs"] = json.loads(values["structured_outputs"])
+        except json.JSONDecodeError as e:
+            raise SamplingParamsError("structured_outputs", f"--structured_outputs is not JSON: {e}") from None
     return SamplingParams(**values)
 
 
