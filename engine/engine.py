@@ -28,7 +28,7 @@ from engine.runner import CompileCounter, ModelRunner, RunnerOutput, kv_bytes_pe
 from engine.sampling_params import MAX_SEED, SamplingParams, SamplingParamsError, is_valid_unicode
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured import CompiledGrammar, GrammarCompiler
-from models.loading import LoadedModel, load_model
+from models.loading import LoadedModel, load_model, unstack_layers
 from models.sharding import engine_devices, loading_device, make_mesh, shard_model
 from models.tokenizer import Tokenizer, load_tokenizer
 
@@ -60,6 +60,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True     # reuse the K/V of cached leading prompt blocks (kv_cache_manager)
     tensor_parallel_size: int = 1          # devices one model is split over (models/sharding.py)
     data_parallel_size: int = 1            # independent replicas, each on its own tensor_parallel_size devices
+    scan_layers: bool = True               # one scanned layer (compile time independent of depth); False:
+                                           # layers unrolled, faster decode on CPU, compile time ~ depth
     warmup: str = "none"                   # compile in __init__: "full" every step shape, both samplers;
                                            # "lazy" the greedy ones, the full sampler's in the background;
                                            # "none" each shape on first use
@@ -175,6 +177,8 @@ class LLMEngine:
             with jax.default_device(loading_device(mesh)):
                 model = load_model(model, config.dtype)
         model = shard_model(model, mesh)
+        if not config.scan_layers:
+            model = unstack_layers(model)
         load_s = time.perf_counter() - started
         tokenizer = tokenizer or model_tokenizer(model)
         self.model, self.config, self.tokenizer = model, config, tokenizer

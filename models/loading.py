@@ -57,10 +57,21 @@ def _dtype(name):
     return None if name is None else jnp.dtype(name)
 
 
-def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(cfg: ModelConfig, dtype, scan: bool = True) -> tuple[nnx.GraphDef, nnx.State]:
     """graphdef and a state of ShapeDtypeStructs: nothing allocated."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), scan=scan))
     return nnx.split(model)
+
+
+def unstack_layers(model: LoadedModel) -> LoadedModel:
+    """The same model with one module (and arrays) per layer, run unrolled (Transformer(scan=False)):
+    faster decode on CPU, compile time growing with depth. The stacked arrays are sliced once, here."""
+    params = model.params()
+    stacked = params["layers"]
+    params["layers"] = {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(model.cfg.num_layers)}
+    graphdef, state = abstract_model(model.cfg, model.dtype, scan=False)
+    nnx.replace_by_pure_dict(state, params)
+    return dataclasses.replace(model, graphdef=graphdef, state=state)
 
 
 def random_model(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0, max_model_len: int | None = None) -> LoadedModel:

@@ -132,12 +132,14 @@ def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, scan: bool = True):
+        """`scan`: the layers as one DecoderLayer of [num_layers, ...] parameters, run by jax.lax.scan
+        (compile time independent of depth); False: one DecoderLayer per layer, unrolled (see scan_layers)."""
         self.cfg, self.dtype = cfg, dtype
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                                       embedding_init=_INIT, rngs=rngs)
-        # [num_layers, ...] parameters (stack_modules); only scan_layers calls it.
-        self.layers = stack_modules([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        layers = [DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)]
+        self.layers = stack_modules(layers) if scan else nnx.List(layers)  # only scan_layers calls them
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
@@ -183,7 +185,13 @@ class Transformer(nnx.Module):
     def scan_layers(self, fn, carry, xs=None):
         """`carry` through every layer in order, one traced layer (jax.lax.scan):
         fn(layer, carry, x) -> carry, where layer is a DecoderLayer holding that layer's parameters
-        and x that layer's slice of `xs` (None: nothing)."""
+        and x that layer's slice of `xs` (None: nothing). Per-layer modules (scan=False) run unrolled:
+        each layer's weights are their own arrays, which the CPU's library dots read in place (the
+        scan's slice of a stacked array costs a copy of the layer's weights per step, below)."""
+        if isinstance(self.layers, nnx.List):
+            for i, layer in enumerate(self.layers):
+                carry = fn(layer, carry, None if xs is None else xs[i])
+            return carry
         graphdef, stacked = nnx.split(self.layers)
 
         def body(c, inputs):

@@ -6,6 +6,7 @@ request generates exactly its output length:
 
   ferry          every request through LLMEngine's continuous batching at once.
   ferry-nocache  the same with prefix caching off (--workload=shared_prefix or multi_turn: the gain).
+  ferry-unrolled the same with the decoder layers unrolled (EngineConfig.scan_layers=False).
   ferry-static   the same engine fed --static_batch requests at a time; the next batch starts only
                  when all of the previous one are done (request-level batching, no joins mid-batch).
   transformers   `model.generate` on left-padded batches of --static_batch prompts, max_new_tokens =
@@ -63,7 +64,7 @@ from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.loading import FERRY_CONFIG, LoadedModel, load_model, random_model
 
-BACKENDS = ("ferry", "ferry-nocache", "ferry-static", "transformers")
+BACKENDS = ("ferry", "ferry-nocache", "ferry-unrolled", "ferry-static", "transformers")
 WORKLOADS = ("random", "shared_prefix", "multi_turn")
 
 FLAGS = flags.FLAGS
@@ -396,6 +397,8 @@ def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: Engi
         return FerryBackend(name, model, config, batch_size=None)
     if name == "ferry-nocache":
         return FerryBackend(name, model, dataclasses.replace(config, enable_prefix_caching=False), batch_size=None)
+    if name == "ferry-unrolled":
+        return FerryBackend(name, model, dataclasses.replace(config, scan_layers=False), batch_size=None)
     if name == "ferry-static":
         return FerryBackend(name, model, config, batch_size=FLAGS.static_batch)
     return TransformersBackend(hf_dir, FLAGS.dtype, FLAGS.torch_device, FLAGS.torch_threads or os.cpu_count())
