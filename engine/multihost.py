@@ -61,8 +61,8 @@ class CallChannel:
 
     GC_EVERY = 64  # calls between deletions of the ones every follower has replayed
 
-    def __init__(self, timeout_s: float):
-        self.client, self.timeout_s = _client(), timeout_s
+    def __init__(self):
+        self.client = _client()
         self.num_processes, self.process_id = jax.process_count(), jax.process_index()
         self._next = 0
         self._deleted = 0

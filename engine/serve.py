@@ -132,7 +132,7 @@ def run(argv: list[str]):
         engine = make_engine(model_dir, engine_config)
     except (ValueError, FileNotFoundError) as e:
         cli_flags.exit_usage_error(str(e))
-    channel = multihost.CallChannel(distributed.timeout_s) if jax.process_count() > 1 else None
+    channel = multihost.CallChannel() if jax.process_count() > 1 else None
     if channel is not None and jax.process_index() > 0:
         log.info("process %d follows process 0 (which serves)", jax.process_index())
         multihost.follow(engine.runner, channel)

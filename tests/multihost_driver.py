@@ -19,7 +19,7 @@ def main(process_id: int, port: int, model_dir: str, job_path: str):
     initialize(DistributedConfig(f"127.0.0.1:{port}", 2, process_id, timeout_s=TIMEOUT_S))
     job = json.load(open(job_path))
     config = EngineConfig(**job["config"], tensor_parallel_size=2)
-    channel = CallChannel(TIMEOUT_S)
+    channel = CallChannel()
     if process_id:
         follow(LLMEngine(model_dir, config).runner, channel)
         return
