@@ -94,11 +94,30 @@ class DataParallelEngine:
     # -------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:
+        return self._finished(self._each_busy(LLMEngine.step))
+
+    def step_core(self) -> list[tuple[LLMEngine, object]]:
+        """Every busy replica's core step: [(replica, its StepNews), ...]."""
         busy = [r for r in self.replicas if r.has_unfinished()]
-        if len(busy) == 1:
-            outputs = busy[0].step()
-        else:
-            outputs = [out for outs in self._pool.map(LLMEngine.step, busy) for out in outs]
+        return list(zip(busy, self._each(LLMEngine.step_core, busy)))
+
+    def process_outputs(self, news: list[tuple[LLMEngine, object]]) -> list[RequestOutput]:
+        return self._finished([out for replica, n in news for out in replica.process_outputs(n)])
+
+    @staticmethod
+    def step_trace(news: list[tuple[LLMEngine, object]]) -> list:
+        return [entry for _, n in news for entry in n.trace]
+
+    def _each_busy(self, fn) -> list[RequestOutput]:
+        return [out for outs in self._each(fn, [r for r in self.replicas if r.has_unfinished()]) for out in outs]
+
+    def _each(self, fn, replicas: list[LLMEngine]) -> list:
+        """fn(replica) for each, on the replicas' threads when there are several (the jitted steps release the GIL)."""
+        if len(replicas) == 1:
+            return [fn(replicas[0])]
+        return list(self._pool.map(fn, replicas))
+
+    def _finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for out in outputs:
             if out.finished:
                 self._replica_of.pop(out.request_id, None)

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import math
 import os
+import queue
 import random
 import threading
 import time
@@ -21,8 +22,8 @@ log = logging.getLogger("ferry")
 
 WARMUP_MODES = ("full", "lazy", "none")
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.multihost import agree_min
+from engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput, SampleNews, StepNews  # noqa: F401
 from engine.request import Request
 from engine.runner import CompileCounter, ModelRunner, RunnerOutput, kv_bytes_per_block, num_blocks_for_memory
 from engine.sampling_params import MAX_SEED, SamplingParams, SamplingParamsError, is_valid_unicode
@@ -80,65 +81,23 @@ class EngineConfig:
 
 
 @dataclasses.dataclass(slots=True)
-class CompletionOutput:
-    index: int                             # which of the request's n samples
-    text: str                              # in a step's delta: the new text; in a final output: all of it
-    token_ids: list[int]
-    finish_reason: str | None = None       # "stop", "length", "abort", "error"
-    logprobs: list[dict[int, float]] | None = None  # per token: {id: logprob} of the sampled and top ids
-    stop_reason: str | int | None = None   # the stop string or token id that ended it
-
-
-@dataclasses.dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    metrics: dict = dataclasses.field(default_factory=dict)
-    error: str | None = None               # set when the request failed (finish_reason "error"); others go on
-
-
-@dataclasses.dataclass(slots=True)
-class _Sample:
-    """One of a request's n samples: the scheduler's Request plus its text state."""
-
-    index: int
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    text: str = ""
-    logprobs: list[dict[int, float]] | None = None
-    emitted_tokens: int = 0                # output tokens already returned in a delta
-    emitted_text: int = 0                  # characters of text already returned in a delta
-    error: str | None = None               # why this sample failed (its detokenizer raised)
-
-
-@dataclasses.dataclass(slots=True)
 class _Group:
-    """A user request: n samples of one prompt."""
+    """A user request as the core sees it: n samples of one prompt, each a scheduler Request. (Its text and
+    outputs live on the output side: output_processor.OutputGroup.)"""
 
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[_Sample]
+    requests: list[Request]
     unforked: int = 0                      # samples still to add once sample 0's prompt is cached
-    prompt_logprobs: list | None = None
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finished_time: float | None = None
     error: str | None = None               # the group failed: every sample ended with "error"
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or (not self.unforked and all(s.request.is_finished for s in self.samples))
+        return self.error is not None or (not self.unforked and all(r.is_finished for r in self.requests))
 
     @property
-    def started_samples(self) -> list["_Sample"]:
+    def started(self) -> list[Request]:
         """Samples known to the scheduler (the unforked wait for sample 0's prompt)."""
-        return self.samples[:len(self.samples) - self.unforked]
+        return self.requests[:len(self.requests) - self.unforked]
 
 
 def enable_compilation_cache():
@@ -204,11 +163,12 @@ class LLMEngine:
             attention_impl=config.attention_impl, mesh=mesh)
         self.eos_token_ids = tuple(model.cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
         self._groups: dict[str, _Group] = {}
+        self.outputs = OutputProcessor(tokenizer)  # text and RequestOutputs: step(), or the server's output thread
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
         self._grammar_compiler_lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
         self._next_id = 0
-        self.step_times = {"schedule_s": 0.0, "execute_s": 0.0, "postprocess_s": 0.0, "steps": 0}
+        self.step_times = {"schedule_s": 0.0, "execute_s": 0.0, "postprocess_s": 0.0, "outputs_s": 0.0, "steps": 0}
         cache_s = time.perf_counter() - started - load_s
         counter = CompileCounter.install()
         compiled, loaded = counter.count, counter.cache_hits
@@ -247,23 +207,20 @@ class LLMEngine:
         max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids))
         base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(MAX_SEED)
         grammar = self.compile_grammar(params.structured_outputs) if params.structured_outputs else None
-        samples = []
-        for index in range(params.n):
-            request = Request(
-                request_id=f"{request_id}#{index}", prompt_token_ids=list(prompt_ids), max_tokens=max_tokens,
-                priority=params.priority, eos_token_ids=self.eos_token_ids,
-                stop_token_ids=stop_token_ids, ignore_eos=params.ignore_eos,
-                min_tokens=params.min_tokens, params=params, seed=(base_seed + index) % MAX_SEED,
-                cache_salt=cache_salt, grammar=grammar.matcher() if grammar is not None else None)
-            samples.append(_Sample(index, request, self._detokenizer(prompt_ids, params),
-                                   logprobs=[] if params.logprobs is not None else None))
-            if samples[-1].detokenizer is not None:
-                request.stop_checker = _stop_string_checker(samples[-1], tuple(params.stop))
-        group = _Group(request_id, text, list(prompt_ids), params, samples, unforked=params.n - 1,
-                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                       arrival_time=time.monotonic())
-        self.scheduler.add(samples[0].request)  # raises (changing nothing) if it can never fit
-        self._groups[request_id] = group
+        requests = [Request(
+            request_id=f"{request_id}#{index}", group_id=request_id, sample_index=index,
+            prompt_token_ids=list(prompt_ids), max_tokens=max_tokens,
+            priority=params.priority, eos_token_ids=self.eos_token_ids, stop_token_ids=stop_token_ids,
+            ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, params=params,
+            seed=(base_seed + index) % MAX_SEED, cache_salt=cache_salt,
+            grammar=grammar.matcher() if grammar is not None else None) for index in range(params.n)]
+        self.outputs.register(request_id, text, prompt_ids, params, stop_token_ids)  # raises on bad stop strings
+        try:
+            self.scheduler.add(requests[0])  # raises (changing nothing) if it can never fit
+        except Exception:
+            self.outputs.forget(request_id)
+            raise
+        self._groups[request_id] = _Group(request_id, requests, unforked=params.n - 1)
         return request_id
 
     def compile_grammar(self, spec, field: str = "structured_outputs") -> CompiledGrammar:
@@ -304,27 +261,20 @@ class LLMEngine:
                                       f"[0, {vocab_size})")
         return tuple(dict.fromkeys(params.stop_token_ids))
 
-    def _detokenizer(self, prompt_ids, params: SamplingParams) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        # Stop strings join once min_tokens are out (_stop_string_checker), as vLLM checks them.
-        stops = tuple(params.stop) if params.min_tokens == 0 else ()
-        return IncrementalDetokenizer(self.tokenizer, list(prompt_ids), params.skip_special_tokens,
-                                      stops, params.include_stop_str_in_output)
-
     def abort(self, request_id: str) -> bool:
         """Abort a request (all its samples) in any state; its blocks are freed now. False if unknown."""
         group = self._groups.pop(request_id, None)
         if group is None:
             return False
-        self._abort_samples(group, "abort")
+        for request in group.started:
+            self._abort_request(request, "abort")
+        self.outputs.forget(request_id)
         return True
 
-    def _abort_samples(self, group: _Group, reason: str) -> None:
-        for sample in group.started_samples:
-            request = self.scheduler.abort(sample.request.request_id, reason)
-            if request is not None:
-                self.runner.drop_swapped(request.host_block_ids)
+    def _abort_request(self, request: Request, reason: str) -> None:
+        """End one sample in any state, freeing its blocks now (a no-op once it finished)."""
+        if self.scheduler.abort(request.request_id, reason) is not None:
+            self.runner.drop_swapped(request.host_block_ids)
 
     def has_unfinished(self) -> bool:
         return bool(self._groups) or self.scheduler.has_unfinished()
@@ -340,8 +290,8 @@ class LLMEngine:
 
     def full_output(self, request_id: str) -> Callable[[], RequestOutput]:
         """A function that renders the request's whole output so far (not a delta), also once finished."""
-        group = self._groups[request_id]
-        return lambda: self._output(group, group.samples, delta=False)
+        group = self.outputs.groups[request_id]
+        return lambda: self.outputs.render(group, group.samples, delta=False)
 
     def stats(self) -> dict:
         """The scheduler's counters (Scheduler.stats), for metrics and logs."""
@@ -364,12 +314,33 @@ class LLMEngine:
     # -------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns a delta for every request that advanced or finished.
+        """One engine step; returns a delta for every request that advanced or finished: the core step, then
+        its outputs, then the stop strings those found (each ends its request before the next step)."""
+        deltas = self.process_outputs(self.step_core())
+        self._apply_output_finishes()
+        return deltas
+
+    def process_outputs(self, news: StepNews) -> list[RequestOutput]:
+        """The output side of a step (OutputProcessor.process): here, or on the server's output thread."""
+        t0 = time.perf_counter()
+        deltas = self.outputs.process(news)
+        self.step_times["outputs_s"] += time.perf_counter() - t0
+        return deltas
+
+    @staticmethod
+    def step_trace(news: StepNews) -> list:
+        """The scheduler's decisions in the step that made `news`: [(phase, info), ...]."""
+        return news.trace
+
+    def step_core(self) -> StepNews:
+        """The step without its text: schedule, run, fold the tokens in. Returns the step's news for the
+        output side (self.outputs.process, here or on another thread).
 
         Fault isolation: a request whose step fails (its inputs, its sampling, its detokenizing) ends with
         finish_reason "error" and its blocks freed, and the rest of the batch goes on. Only a fault that
         leaves the device state unknown raises EngineDeadError."""
         t0 = time.perf_counter()
+        self._apply_output_finishes()
         try:
             plan = self.scheduler.schedule()
         except Exception as e:
@@ -378,17 +349,74 @@ class LLMEngine:
         failed: dict[str, Exception] = {}
         out = self._execute(plan, failed)
         t2 = time.perf_counter()
-        for group_id, error in failed.items():
-            self._fail_group(group_id, error)
+        errors = {group_id: self._fail_group(group_id, error) for group_id, error in failed.items()
+                  if group_id in self._groups}
         self.scheduler.postprocess(plan, out.tokens)
-        deltas = self._deltas(out)
+        news = StepNews(self._sample_news(plan, out), self._prompt_logprobs_news(out), errors, self.last_step_trace(),
+                        time.monotonic())
+        self._fork_and_retire(plan, news)
         t3 = time.perf_counter()
         times = self.step_times
         times["schedule_s"] += t1 - t0
         times["execute_s"] += t2 - t1
         times["postprocess_s"] += t3 - t2
         times["steps"] += 1
-        return deltas
+        return news
+
+    def _sample_news(self, plan, out: RunnerOutput) -> list[SampleNews]:
+        """Each sample that gained a token this step (postprocess appended it). O(this step's requests)."""
+        news, groups, logprobs = [], self._groups, out.logprobs
+        for requests in ([chunk.request for chunk in plan.prefills if chunk.samples], plan.decodes):
+            for request in requests:
+                group = groups.get(request.group_id)
+                if group is None or group.error is not None:  # failed this step, or aborted
+                    continue
+                news.append(SampleNews(request.group_id, request.sample_index, request.output_token_ids[-1],
+                                       logprobs.get(request.request_id) if logprobs else None, request.finish_reason))
+        return news
+
+    def _prompt_logprobs_news(self, out: RunnerOutput) -> dict[str, list]:
+        return {request_id.rpartition("#")[0]: scores for request_id, scores in out.prompt_logprobs.items()}
+
+    def _fork_and_retire(self, plan, news: StepNews) -> None:
+        """Fork groups whose first sample's prompt is in; drop the groups that finished."""
+        for chunk in plan.prefills:
+            group = self._groups.get(chunk.request.group_id)
+            if group is not None and group.unforked and chunk.request is group.requests[0]:
+                self._fork(group)
+        for group_id in {n.request_id for n in news.samples if n.finish_reason is not None} | news.errors.keys():
+            self._retire(group_id)
+
+    def _fork(self, group: _Group):
+        """The other samples join once sample 0's prompt is computed: its full prompt blocks are then in
+        the prefix cache, so their admission shares them (with caching off, each prefills its own)."""
+        first = group.requests[0]
+        if first.in_prefill or group.error is not None:
+            return
+        for request in group.requests[len(group.requests) - group.unforked:]:
+            self.scheduler.add(request)
+        group.unforked = 0
+
+    def _retire(self, group_id: str) -> None:
+        group = self._groups.get(group_id)
+        if group is not None and group.finished:
+            del self._groups[group_id]
+
+    def _apply_output_finishes(self) -> None:
+        """End the samples the output side found finished: a stop string, or text that failed."""
+        while True:
+            try:
+                kind, group_id, detail = self.outputs.finishes.get_nowait()
+            except queue.Empty:
+                return
+            group = self._groups.get(group_id)
+            if group is None:
+                continue
+            if kind == "stop":
+                self._abort_request(group.requests[detail], "stop")
+            elif group.error is None:
+                self._end_group(group, detail)
+            self._retire(group_id)
 
     def _execute(self, plan, failed: dict[str, Exception]) -> RunnerOutput:
         """Run the plan; if it fails, find the requests that make it fail (halving the batch until one
@@ -424,127 +452,20 @@ class LLMEngine:
         self._run_isolating(units[:half], None, out, failed)
         self._run_isolating(units[half:], None, out, failed)
 
-    def _fail_group(self, group_id: str, error: BaseException) -> None:
-        """End every sample of a failed request with "error", freeing its blocks; the next deltas report it."""
-        group = self._groups.get(group_id)
-        if group is None or group.error is not None:
-            return
-        log.error("request %s failed: %r", group_id, error)
-        group.error = f"{type(error).__name__}: {error}"
-        self._abort_samples(group, "error")
-        for sample in group.samples:
-            sample.request.finish("error")
+    def _fail_group(self, group_id: str, error: BaseException) -> str:
+        """End every sample of a failed request with "error", freeing its blocks; returns the error."""
+        group = self._groups[group_id]
+        if group.error is None:
+            log.error("request %s failed: %r", group_id, error)
+            self._end_group(group, f"{type(error).__name__}: {error}")
+        return group.error
 
-    def _deltas(self, out: RunnerOutput) -> list[RequestOutput]:
-        now = time.monotonic()
-        deltas = []
-        for group in list(self._groups.values()):
-            changed = []
-            if group.error is None:
-                try:
-                    changed = self._advance_group(group, out)
-                except Exception as e:  # this request's own post-processing failed: it alone ends
-                    self._fail_group(group.request_id, e)
-                broken = next((s.error for s in group.samples if s.error), None)
-                if broken is not None:  # its detokenizer failed inside postprocess
-                    self._fail_group(group.request_id, RuntimeError(broken))
-            if group.error is not None:
-                changed = group.samples
-            if not changed:
-                continue
-            if group.first_token_time is None:
-                group.first_token_time = now
-            if group.finished:
-                group.finished_time = now
-                del self._groups[group.request_id]
-            deltas.append(self._output(group, changed, delta=True))
-        return deltas
-
-    def _advance_group(self, group: _Group, out: RunnerOutput) -> list[_Sample]:
-        """Fold the step's results into the group; returns the samples with something new to report."""
-        self._record_prompt_logprobs(group, out)
-        self._fork(group)
-        return [sample for sample in group.started_samples if self._advance(sample, out)]
-
-    def _fork(self, group: _Group):
-        """The other samples join once sample 0's prompt is computed: its full prompt blocks are then in
-        the prefix cache, so their admission shares them (with caching off, each prefills its own)."""
-        first = group.samples[0].request
-        if not group.unforked or first.in_prefill or first.is_finished and first.finish_reason == "abort":
-            return
-        for sample in group.samples[len(group.samples) - group.unforked:]:
-            self.scheduler.add(sample.request)
-        group.unforked = 0
-
-    def _advance(self, sample: _Sample, out: RunnerOutput) -> bool:
-        """Fold this step's results into `sample`; True if there is something new to report."""
-        request = sample.request
-        rid = request.request_id
-        if sample.logprobs is not None and rid in out.logprobs:
-            logprob, top = out.logprobs[rid]
-            entry = dict(top)
-            entry[request.output_token_ids[-1]] = logprob
-            sample.logprobs.append(entry)
-        if sample.detokenizer is not None and request.is_finished:
-            sample.text += sample.detokenizer.flush()  # held-back text; "" once already flushed
-        # Every finish comes with a token (postprocess appends, then finishes), so new tokens say it all.
-        return request.num_output_tokens > sample.emitted_tokens
-
-    def _record_prompt_logprobs(self, group: _Group, out: RunnerOutput):
-        scores = out.prompt_logprobs.get(group.samples[0].request.request_id)
-        if group.prompt_logprobs is not None and scores:
-            ids = group.prompt_token_ids
-            for logprob, top in scores:
-                entry = dict(top)
-                entry[ids[len(group.prompt_logprobs)]] = logprob
-                group.prompt_logprobs.append(entry)
-
-    def _output(self, group: _Group, samples, delta: bool) -> RequestOutput:
-        outputs = []
-        for sample in samples:
-            request = sample.request
-            tokens = request.output_token_ids
-            start_tok = sample.emitted_tokens if delta else 0
-            start_txt = sample.emitted_text if delta else 0
-            outputs.append(CompletionOutput(
-                index=sample.index, text=sample.text[start_txt:], token_ids=tokens[start_tok:],
-                finish_reason=request.finish_reason,
-                logprobs=None if sample.logprobs is None else sample.logprobs[start_tok:],
-                stop_reason=_stop_reason(sample)))
-            if delta:
-                sample.emitted_tokens, sample.emitted_text = len(tokens), len(sample.text)
-        metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
-                   "finished_time": group.finished_time}
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.finished,
-                             group.prompt_logprobs if (group.finished or not delta) else None, metrics,
-                             error=group.error)
-
-
-def _stop_string_checker(sample: _Sample, stops: tuple[str, ...]):
-    """Feed every new token to the sample's detokenizer; report "stop" when a stop string completes.
-    The stop strings count only once the output has min_tokens tokens."""
-
-    def check(request: Request) -> str | None:
-        if stops and not sample.detokenizer.stop and request.num_output_tokens >= request.min_tokens:
-            sample.detokenizer.stop = stops
-        try:
-            sample.text += sample.detokenizer.add_token(request.output_token_ids[-1])
-        except Exception as e:  # inside the scheduler's postprocess: never let one request's text stop the step
-            sample.error = f"{type(e).__name__}: {e}"
-            return "error"
-        return "stop" if sample.detokenizer.stopped_by is not None else None
-
-    return check
-
-
-def _stop_reason(sample: _Sample):
-    request = sample.request
-    if request.finish_reason != "stop":
-        return None
-    if sample.detokenizer is not None and sample.detokenizer.stopped_by is not None:
-        return sample.detokenizer.stopped_by
-    last = request.output_token_ids[-1] if request.output_token_ids else None
-    return last if last in request.stop_token_ids else None
+    def _end_group(self, group: _Group, error: str) -> None:
+        group.error = error
+        for request in group.started:
+            self._abort_request(request, "error")
+        for request in group.requests:
+            request.finish("error")
 
 
 class LLM:

@@ -1,11 +1,14 @@
 """The engine thread behind the server: a command queue in, per-request output streams out.
 
-The engine is touched by exactly one thread, the engine loop (`EngineLoop`). HTTP handlers run on the
+The engine core is touched by exactly one thread, the engine loop (`EngineLoop`). HTTP handlers run on the
 asyncio event loop and talk to it through a thread-safe command queue (add, abort), applied at the top of
 every loop iteration, so an abort frees its blocks before the next step. When idle the engine thread blocks
-on that queue (no busy spin). Each API request gets an `OutputStream`: an asyncio.Queue the engine thread
-fills with the step's deltas through one `call_soon_threadsafe` per step, so a step never waits on the
-event loop and the event loop never waits on a step.
+on that queue (no busy spin). Each step's news (token ids, finishes) goes to a second thread, the output
+thread, which detokenizes, matches stop strings and builds the deltas (engine/output_processor.py) while the
+engine thread runs the next step; a stop string it finds ends its request before the core's next schedule.
+At most two steps' news wait for it, so text never lags far behind. Each API request gets an `OutputStream`:
+an asyncio.Queue the output thread fills with a step's deltas through one `call_soon_threadsafe` per step, so
+a step never waits on the event loop and the event loop never waits on a step.
 
 Faults: a request that fails inside a step ends alone (its stream raises RequestFailed, a 500); a fault the
 engine cannot isolate (EngineDeadError, or a bug in this loop) fails every stream with EngineUnavailable and
@@ -143,8 +146,15 @@ class _Stop:
 
 
 @dataclasses.dataclass(slots=True)
+class _Fatal:
+    """The output thread failed: the engine thread raises it, ending the loop as any fatal fault does."""
+    error: BaseException
+
+
+@dataclasses.dataclass(slots=True)
 class _Tracked:
-    """The engine thread's record of one engine request, for routing its deltas and for metrics."""
+    """The loop's record of one engine request, for routing its deltas and for metrics (added by the engine
+    thread, updated and dropped by the output thread, or dropped by the engine thread on abort)."""
 
     stream: OutputStream
     arrival_time: float
@@ -182,13 +192,17 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._accepting = True
         self._refusal = "the engine is not running"
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._tracked: dict[str, _Tracked] = {}
         self._throughput = _ThroughputLog(log_interval_s)
         self._thread = threading.Thread(target=self._run, name="ferry-engine-loop", daemon=True)
+        # (step start, StepNews) to the output thread, None to end it; bounded, so text lags two steps at most
+        self._news: queue.Queue = queue.Queue(maxsize=2)
+        self._output_thread = threading.Thread(target=self._run_outputs, name="ferry-outputs", daemon=True)
 
     # ------------------------------------------------------------ any thread
 
     def start(self) -> None:
+        self._output_thread.start()
         self._thread.start()
 
     def stop(self, timeout: float | None = 30.0) -> None:
@@ -241,6 +255,7 @@ class EngineLoop:
         except BaseException as e:  # the engine cannot go on: fail every reader rather than hang it
             log.exception("the engine loop died")
             self.error = e
+            self._stop_outputs()
             self._fail_all(EngineUnavailable(f"the engine failed: {e!r}"))
             if self._on_fatal is not None:
                 self._on_fatal(e)
@@ -250,8 +265,11 @@ class EngineLoop:
         busy = self.engine.has_unfinished()
         for command in self._take_commands(block=not busy):
             if isinstance(command, _Stop):
+                self._stop_outputs()
                 self._fail_all(EngineUnavailable("the server is shutting down"))
                 return False
+            if isinstance(command, _Fatal):
+                raise command.error
             if isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Call):
@@ -314,9 +332,40 @@ class EngineLoop:
 
     def _step(self) -> None:
         step_start = time.monotonic()
-        outputs = self.engine.step()
+        self._put_news((step_start, self.engine.step_core()))
+
+    def _put_news(self, item) -> None:
+        """Hand an item to the output thread, waiting while it is two steps behind (never on a dead one)."""
+        while True:
+            try:
+                self._news.put(item, timeout=1.0)
+                return
+            except queue.Full:
+                if not self._output_thread.is_alive():
+                    raise RuntimeError("the output thread died") from None
+
+    def _stop_outputs(self) -> None:
+        """End the output thread after the news already queued (called on the engine thread)."""
+        if self._output_thread.is_alive():
+            with contextlib.suppress(RuntimeError):
+                self._put_news(None)
+            self._output_thread.join(30.0)
+
+    # ------------------------------------------------------------ output thread
+
+    def _run_outputs(self) -> None:
+        while (item := self._news.get()) is not None:
+            try:
+                self._deliver_step(*item)
+            except BaseException as e:  # a bug on the output side: the loop cannot serve correct text
+                log.exception("the output thread died")
+                self._commands.put(_Fatal(e))
+                return
+
+    def _deliver_step(self, step_start: float, news) -> None:
+        outputs = self.engine.process_outputs(news)
         now = time.monotonic()
-        self._note_first_scheduled(step_start)
+        self._note_first_scheduled(step_start, news)
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
@@ -328,10 +377,10 @@ class EngineLoop:
         for loop, items in deliveries.items():  # one wake-up of the event loop per step, not per request
             _call_soon(loop, _deliver, items)
 
-    def _note_first_scheduled(self, step_start: float) -> None:
+    def _note_first_scheduled(self, step_start: float, news) -> None:
         """Queue time ends when the scheduler first admits a request; the step's trace names who it admitted
         (sample ids `<request id>#<sample>`)."""
-        for phase, info in self.engine.last_step_trace():
+        for phase, info in self.engine.step_trace(news):
             if phase != "admit":
                 continue
             for sample_id in list(info.get("admitted", ())) + list(info.get("pending", ())):
@@ -361,7 +410,7 @@ class EngineLoop:
                 m.record_finished_sample(o.finish_reason)
         if output.finished:
             m.e2e_request_latency.observe(now - tracked.arrival_time)
-            del self._tracked[output.request_id]
+            self._tracked.pop(output.request_id, None)
 
     def _fail_all(self, error: BaseException) -> None:
         """Stop accepting, abort everything, and hand `error` to every reader and every waiting handler."""
@@ -369,7 +418,9 @@ class EngineLoop:
             self._accepting = False
             self._refusal = str(error)
         for request_id in list(self._tracked):
-            tracked = self._tracked.pop(request_id)
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is None:  # the output thread finished it meanwhile
+                continue
             with contextlib.suppress(Exception):
                 self.engine.abort(request_id)
             _call_soon(tracked.stream.loop, tracked.stream.deliver, error)

@@ -89,7 +89,11 @@ class KVCacheManager:
 
     def needs_decode_slot(self, request: Request) -> bool:
         """A decoding request (or one resuming to decode) whose next position starts a new block."""
-        return not request.in_prefill and self.blocks_for(request.num_tokens) > self.num_blocks(request)
+        return not request.in_prefill and self.next_position_needs_block(request)
+
+    def next_position_needs_block(self, request: Request) -> bool:
+        """needs_decode_slot for a request known to be decoding (the scheduler's per-step hot path)."""
+        return -(-request.num_tokens // self.block_size) > len(request.block_ids) + len(request.host_block_ids)
 
     # -------------------------------------------------------------- admission
 

@@ -42,13 +42,20 @@ class SeqSlice:
     block_ids: Sequence[int]
 
 
-def pack(seqs: Sequence[SeqSlice], layout: StepLayout, block_size: int, all_logits: bool = False) -> np.ndarray:
-    """Fill one int32 buffer. Logits: the last row of each sequence, or every token row if `all_logits`."""
-    buf = np.zeros(layout.size, np.int32)
-    views, offset = {}, 0
+def _split(buf, layout: StepLayout) -> dict:
+    """The buffer's named fields, as views (numpy on the host, traced slices inside jit)."""
+    parts, offset = {}, 0
     for name, n in layout.sizes():
-        views[name] = buf[offset:offset + n]
+        parts[name] = buf[offset:offset + n]
         offset += n
+    return parts
+
+
+def pack(seqs: Sequence[SeqSlice], layout: StepLayout, block_size: int, all_logits: bool = False) -> np.ndarray:
+    """Fill one int32 buffer from scratch. Logits: the last row of each sequence, or every token row if
+    `all_logits`. Decode steps use DecodeRows.pack instead, which gives the same buffer in O(changes)."""
+    buf = np.zeros(layout.size, np.int32)
+    views = _split(buf, layout)
     tables = views["block_tables"].reshape(layout.num_seqs, layout.width)
     tables[:] = NULL_BLOCK
     # Padding tokens write into the null block (slot NULL_BLOCK * block_size == 0), so nothing real changes.
@@ -74,12 +81,83 @@ def pack(seqs: Sequence[SeqSlice], layout: StepLayout, block_size: int, all_logi
     return buf
 
 
+class DecodeRows:
+    """The decode batch's block tables, kept on the host across steps (vLLM v1's persistent batch): a row
+    per decoding request, changed only by what changed since the last step (a new block, a request in or
+    out), so packing a decode step costs O(batch) small Python work plus one numpy gather of the used rows,
+    not a rebuild of batch x context block ids from lists.
+
+    A row mirrors one `Request.block_ids` list object, which is append-only while the request runs; the
+    KV cache manager replaces the list (never edits it in place) when a request loses blocks (recompute,
+    swap), so a different list object means "copy the row again". The row holds that list, so its id
+    cannot be reused while mirrored."""
+
+    def __init__(self, max_rows: int, width: int, block_size: int):
+        self.block_size = block_size
+        self.tables = np.full((max_rows, width), NULL_BLOCK, np.int32)  # [max_rows, width] block ids per row
+        self._lengths = [0] * max_rows                                  # row -> block ids copied into it
+        self._row_of: dict[str, int] = {}                               # request id -> row
+        self._mirrored: list[list[int] | None] = [None] * max_rows      # row -> the block_ids list it mirrors
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.num_row_copies = 0  # rows (re)written whole: a request started or resumed decoding
+
+    def __len__(self) -> int:
+        return len(self._row_of)
+
+    def sync(self, requests) -> np.ndarray:
+        """Bring the rows up to date with `requests` (this step's decoders; any other request's row is
+        released). Returns their rows, i32[len(requests)], in order."""
+        wanted = {r.request_id for r in requests}
+        for rid in [rid for rid in self._row_of if rid not in wanted]:
+            row = self._row_of.pop(rid)
+            self._release(row)
+            self._free_rows.append(row)
+        rows = np.empty(len(requests), np.int64)
+        for i, r in enumerate(requests):
+            row = self._row_of.get(r.request_id)
+            if row is None:
+                row = self._row_of[r.request_id] = self._free_rows.pop()
+            ids, copied = r.block_ids, self._lengths[row]
+            if self._mirrored[row] is not ids:
+                self._release(row)
+                self._mirrored[row], copied = ids, 0
+                self.num_row_copies += 1
+            if len(ids) > copied:
+                self.tables[row, copied:len(ids)] = ids[copied:]
+                self._lengths[row] = len(ids)
+            rows[i] = row
+        return rows
+
+    def _release(self, row: int) -> None:
+        self.tables[row, :self._lengths[row]] = NULL_BLOCK
+        self._lengths[row] = 0
+        self._mirrored[row] = None
+
+    def pack(self, requests, layout: StepLayout) -> np.ndarray:
+        """The decode step's buffer for `requests` (each feeds its last token at position num_tokens - 1);
+        equal to pack() over the same requests."""
+        n = len(requests)
+        rows = self.sync(requests)
+        buf = np.zeros(layout.size, np.int32)
+        views = _split(buf, layout)
+        positions = np.fromiter((r.num_tokens - 1 for r in requests), np.int64, n)
+        views["token_ids"][:n] = np.fromiter((r.last_token_id for r in requests), np.int32, n)
+        views["positions"][:n] = positions
+        tables = views["block_tables"].reshape(layout.num_seqs, layout.width)
+        tables[:n] = self.tables[rows]
+        tables[n:] = NULL_BLOCK
+        bs = self.block_size
+        views["slot_mapping"][:n] = self.tables[rows, positions // bs] * bs + positions % bs
+        views["context_lens"][:n] = positions + 1
+        views["query_start_loc"][:n + 1] = np.arange(n + 1)
+        views["query_start_loc"][n + 1:] = n
+        views["logits_indices"][:n] = np.arange(n)
+        return buf
+
+
 def unpack(buf, layout: StepLayout):
     """Inside jit: the flat buffer -> (token_ids, positions, AttentionMetadata, logits_indices)."""
-    parts, offset = {}, 0
-    for name, n in layout.sizes():
-        parts[name] = buf[offset:offset + n]
-        offset += n
+    parts = _split(buf, layout)
     md = AttentionMetadata(
         slot_mapping=parts["slot_mapping"],
         block_tables=parts["block_tables"].reshape(layout.num_seqs, layout.width),

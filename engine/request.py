@@ -1,7 +1,6 @@
 """A generation request and the lifecycle state the scheduler keeps on it."""
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +26,8 @@ class Request:
     ignore_eos: bool = False
     min_tokens: int = 0
     arrival: int = -1                       # monotonic, set by Scheduler.add
+    group_id: str = ""                      # the user request this is one of the n samples of (the engine's)
+    sample_index: int = 0                   # which of them
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0            # tokens whose K/V are in the device cache
@@ -34,10 +35,6 @@ class Request:
     host_block_ids: list[int] = field(default_factory=list)  # host blocks while swapped
     finish_reason: str | None = None        # "stop", "length", "abort", "error"
     num_preemptions: int = 0
-    # Stop strings plug in here: called with the request after EVERY appended token (the engine's
-    # incremental detokenizer consumes each one), returns a finish reason or None; honoured once
-    # min_tokens is met ("error", the checker's own failure, at once).
-    stop_checker: Callable[["Request"], str | None] | None = None
     params: SamplingParams | None = None    # None: greedy
     seed: int = 0                           # the request's seed (drawn by the engine when not given)
     cache_salt: str | None = None           # prefix-cache namespace: only requests with the same salt share
@@ -83,10 +80,8 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def check_stop(self, token: int, max_model_len: int) -> str | None:
-        """Finish reason after `token` was appended to the outputs, or None to go on."""
-        text_stop = self.stop_checker(self) if self.stop_checker is not None else None
-        if text_stop == "error":  # the checker itself failed on this request: it ends now
-            return text_stop
+        """Finish reason after `token` was appended to the outputs, or None to go on. Token-level only: stop
+        strings are matched on the text, by the output side (engine/output_processor.py)."""
         if self.grammar is not None:
             # A complete grammar ends the output even before min_tokens: its mask would allow only EOS.
             grammar_stop = self.grammar.advance(self.output_token_ids)
@@ -95,8 +90,6 @@ class Request:
         if len(self.output_token_ids) >= self.min_tokens:
             if token in self.stop_token_ids or (token in self.eos_token_ids and not self.ignore_eos):
                 return "stop"
-            if text_stop is not None:
-                return text_stop
         if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None

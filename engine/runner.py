@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from engine.packing import SeqSlice, StepLayout, bucket, pack
-from engine.sampler import SamplingRow, build_sampling_metadata, select_mode
+from engine.packing import DecodeRows, SeqSlice, StepLayout, bucket, pack
+from engine.sampler import SamplingRow, build_sampling_metadata, needs_full_sampler
 from engine.sampling_params import SamplingParams
 from engine.step import prompt_logprobs_step, sample_step
 from models.loading import LoadedModel
@@ -55,8 +55,12 @@ def _wants_prompt_logprobs(request) -> bool:
     return request.params is not None and request.params.prompt_logprobs is not None
 
 
-def _needs_full_sampler(row: SamplingRow) -> bool:
-    return select_mode([row.params]) == "full" or bool(row.banned) or row.allowed is not None
+def _needs_full_sampler(request, history_len: int) -> bool:
+    """Whether the request's row needs the full sampler (randomness, penalties, logprobs, banned ids, or
+    a grammar's mask on a kept token: see ModelRunner._sampling_row), or plain argmax does."""
+    params = request.params
+    return ((params is not None and needs_full_sampler(params)) or bool(request.banned_token_ids)
+            or (request.grammar is not None and history_len == request.num_tokens))
 
 
 def _select_rows(sample, rows):
@@ -141,6 +145,7 @@ class ModelRunner:
                               self.kv_dtype),
             out_shardings=(self.device_sharding, self.device_sharding))()
         self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
+        self.decode_rows = DecodeRows(max_num_seqs, self.buckets.width, block_size)
         self.host_sharding = host_memory_sharding(self.mesh)
         self.swapped: dict[tuple[int, ...], list] = {}  # host block ids -> the blocks' contents in host memory
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
@@ -181,10 +186,11 @@ class ModelRunner:
         for i in range(0, len(plain), self.buckets.prefill_seqs):
             self._run_prefill(plain[i:i + self.buckets.prefill_seqs], out, score=False)
         if decodes:
-            seqs = [SeqSlice([r.last_token_id], r.num_tokens - 1, r.block_ids) for r in decodes]
-            layout = self.layout_for(seqs, decode=True)
-            rows = [self._sampling_row(r, r.num_tokens) for r in decodes]
-            self._collect(decodes, self._call(seqs, layout, rows), out)
+            t0 = time.perf_counter()
+            layout = self.layout_for(decodes, decode=True)
+            buf = self.decode_rows.pack(decodes, layout)
+            self.timings["pack_s"] += time.perf_counter() - t0
+            self._collect(decodes, self._call(buf, layout, [(r, r.num_tokens) for r in decodes]), out)
         return out
 
     @property
@@ -193,23 +199,26 @@ class ModelRunner:
         return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache))
 
     def _run_prefill(self, chunks, out: "RunnerOutput", score: bool):
+        t0 = time.perf_counter()
         seqs = [SeqSlice(c.request.all_token_ids[c.start:c.start + c.length], c.start, c.request.block_ids)
                 for c in chunks]
-        rows = [self._sampling_row(c.request, c.start + c.length) for c in chunks]
         layout = self.layout_for(seqs, decode=False, all_logits=score)
+        buf = pack(seqs, layout, self.block_size, all_logits=score)
+        self.timings["pack_s"] += time.perf_counter() - t0
+        rows = [(c.request, c.start + c.length) for c in chunks]
         if score:
             (chunk,) = chunks
-            sample, scores = self._call(seqs, layout, rows, score_chunk=chunk)
+            sample, scores = self._call(buf, layout, rows, score_chunk=chunk)
             out.prompt_logprobs.setdefault(chunk.request.request_id, []).extend(scores)
         else:
-            sample = self._call(seqs, layout, rows)
+            sample = self._call(buf, layout, rows)
         sampling = [c for c in chunks if c.samples]
         self._collect([c.request for c in sampling], _select_rows(sample, [chunks.index(c) for c in sampling]), out)
 
     def _collect(self, requests, sample, out: "RunnerOutput"):
         tokens, logprob, top_ids, top_lp = sample
-        for i, r in enumerate(requests):
-            out.tokens[r.request_id] = int(tokens[i])
+        for i, (r, token) in enumerate(zip(requests, tokens.tolist())):
+            out.tokens[r.request_id] = token
             if r.params is not None and r.params.logprobs is not None:
                 k = r.params.logprobs
                 out.logprobs[r.request_id] = (float(logprob[i]), list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
@@ -230,6 +239,7 @@ class ModelRunner:
                            request.banned_token_ids, allowed)
 
     def layout_for(self, seqs, decode: bool, all_logits: bool = False) -> StepLayout:
+        """The bucketed layout for `seqs` (SeqSlices; for a decode step anything with a length)."""
         b = self.buckets
         if decode:
             rows = b.pick(b.decode_batch, len(seqs))
@@ -237,14 +247,14 @@ class ModelRunner:
         tokens = b.pick(b.prefill_tokens, sum(len(s.token_ids) for s in seqs))
         return StepLayout(tokens, b.prefill_seqs, b.width, tokens if all_logits else b.prefill_seqs, decode=False)
 
-    def _call(self, seqs, layout: StepLayout, rows, score_chunk=None):
-        """Pack, run the jitted step, fetch its (small) outputs. Returns numpy (tokens, logprob, top_ids,
-        top_logprobs) per logits row, and with `score_chunk` also that chunk's prompt logprobs."""
+    def _call(self, buf, layout: StepLayout, rows, score_chunk=None):
+        """Run the jitted step on a packed buffer, fetch its (small) outputs. `rows`: (request, tokens
+        it has once this step is done) per sequence. Returns numpy (tokens, logprob, top_ids, top_logprobs)
+        per logits row, and with `score_chunk` also that chunk's prompt logprobs."""
         t0 = time.perf_counter()
-        buf = pack(seqs, layout, self.block_size, all_logits=score_chunk is not None)
-        mode = "full" if any(_needs_full_sampler(r) for r in rows) else "greedy"
-        sampling_md = (build_sampling_metadata(rows, layout.num_seqs, layout.width * self.block_size,
-                                               self.model.cfg.vocab_size)
+        mode = "full" if any(_needs_full_sampler(r, n) for r, n in rows) else "greedy"
+        sampling_md = (build_sampling_metadata([self._sampling_row(r, n) for r, n in rows], layout.num_seqs,
+                                               layout.width * self.block_size, self.model.cfg.vocab_size)
                        if mode == "full" else None)
         scoring = None
         if score_chunk is not None:

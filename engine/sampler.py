@@ -305,10 +305,14 @@ class SamplingRow(NamedTuple):
     allowed: np.ndarray | None = None  # u32[ceil(V / 32)]: the only ids that may be sampled (a grammar's), or None
 
 
+def needs_full_sampler(p: SamplingParams) -> bool:
+    """Whether these params need randomness, penalties or logprobs (the full sampler), or argmax does."""
+    return not p.is_greedy or p.has_penalties or p.logprobs is not None
+
+
 def select_mode(params: Iterable[SamplingParams]) -> str:
     """"greedy" only when no row needs randomness, penalties or logprobs; else "full"."""
-    plain = all(p.is_greedy and not p.has_penalties and p.logprobs is None for p in params)
-    return "greedy" if plain else "full"
+    return "full" if any(needs_full_sampler(p) for p in params) else "greedy"
 
 
 def build_sampling_metadata(rows: Sequence[SamplingRow | tuple], batch: int, width: int,

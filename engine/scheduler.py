@@ -97,6 +97,11 @@ class _Pending:
 class _StepState:
     """Scratch shared by the phases of one schedule() call."""
     plan: StepPlan
+    # Running requests past their prefill, in running order: computed once in _budget (O(running)), then
+    # kept current by admission (a swapped request resuming its decode) and eviction
+    decoders: list[Request] = field(default_factory=list)
+    prefilling: list[Request] = field(default_factory=list)   # the other running requests, as _budget found them
+    slot_takers: list[Request] = field(default_factory=list)  # the decoders whose next position starts a block
     blocks_left: int = 0
     tokens_left: int = 0
     admitted: list[Request] = field(default_factory=list)  # joined the running set this step
@@ -178,6 +183,7 @@ class Scheduler:
         budget = self._budget(step)
         self._admit(step, budget)
         self._preempt(step)
+        self._drop_admitted(step)
         self._decode(step)
         self.step_traces.append(step.plan.trace)
         return step.plan
@@ -185,8 +191,10 @@ class Scheduler:
     def _reap(self, step: _StepState) -> None:
         """Requests finished by the last postprocess leave; their blocks return before _budget counts."""
         free_before = self.kv.num_free
-        finished = [r for r in self.running if r.is_finished]
-        self.running = [r for r in self.running if not r.is_finished]
+        finished, running = [], []
+        for request in self.running:
+            (finished if request.status is RequestStatus.FINISHED else running).append(request)
+        self.running = running
         for request in finished:
             self.kv.free(request)
             del self.requests[request.request_id]
@@ -198,7 +206,11 @@ class Scheduler:
         """Blocks admission may hand out: free now (reaped and evictable cached blocks included) minus running
         decoders' new slots and the watermark. Negative means the decoders alone are short."""
         free = self.kv.num_free
-        promised = sum(self.kv.needs_decode_slot(r) for r in self._decoders())
+        for request in self.running:
+            (step.prefilling if request.in_prefill else step.decoders).append(request)
+        needs = self.kv.next_position_needs_block
+        step.slot_takers = [r for r in step.decoders if needs(r)]
+        promised = len(step.slot_takers)
         # The watermark is headroom for running decoders; with none running it would only block a big prompt.
         watermark = self.config.watermark_blocks if self.running else 0
         budget = free - promised - watermark
@@ -209,9 +221,9 @@ class Scheduler:
         """Hand out tokens and blocks: ongoing chunked prefills, then swapped, then waiting requests in
         (priority, arrival) order, stopping at the first that doesn't fit so long requests aren't starved."""
         step.blocks_left = budget
-        step.tokens_left = self.config.max_num_batched_tokens - len(self._decoders())
+        step.tokens_left = self.config.max_num_batched_tokens - len(step.decoders)
         continued = []
-        for request in sorted((r for r in self.running if r.in_prefill), key=_order):
+        for request in sorted(step.prefilling, key=_order):
             if step.tokens_left == 0:
                 break
             step.plan.prefills.append(self._next_chunk(request, step))
@@ -243,15 +255,19 @@ class Scheduler:
         self.kv.release_host_blocks(step.host_blocks_to_free)
         step.trace("preempt", victims=victims, demand=demand_before, free=self.kv.num_free)
 
+    def _drop_admitted(self, step: _StepState) -> None:
+        """The requests admitted this step leave the waiting and swapped queues."""
+        if step.admitted:
+            self.waiting = [r for r in self.waiting if r.status is RequestStatus.WAITING]
+            self.swapped = [r for r in self.swapped if r.status is RequestStatus.SWAPPED]
+
     def _decode(self, step: _StepState) -> None:
         """Every running request past its prefill gets the slot for position num_tokens-1 and decodes."""
-        new_blocks = 0
-        for request in self._decoders():
-            slot = self.kv.allocate_decode_slot(request)
-            if slot is None:
+        for request in step.slot_takers:
+            if not self.kv.allocate_decode_slot(request):
                 raise RuntimeError(f"scheduler bug: no block for {request.request_id!r}'s decode slot")
-            new_blocks += len(slot)
-            step.plan.decodes.append(request)
+        new_blocks = len(step.slot_takers)
+        step.plan.decodes = step.decoders
         step.trace("decode", decodes=[r.request_id for r in step.plan.decodes], new_blocks=new_blocks,
                    free=self.kv.num_free)
 
@@ -291,9 +307,6 @@ class Scheduler:
             finished.append(request)
 
     # -------------------------------------------------------------- admission helpers
-
-    def _decoders(self) -> list[Request]:
-        return [r for r in self.running if not r.in_prefill]
 
     def _admission_queue(self) -> list[Request]:
         # Within a priority level swapped requests go first (and, not fitting, block waiting ones);
@@ -340,16 +353,19 @@ class Scheduler:
             if swap[0]:  # a request whose blocks are all shared kept them on the device: nothing to copy
                 step.plan.swap_in.append(swap)
                 step.host_blocks_to_free.extend(swap[0])
-            self.swapped.remove(request)
-        else:
-            if self.kv.allocate_prefill(request) is None:
-                raise RuntimeError(f"scheduler bug: no device blocks to admit {request.request_id!r}")
-            self.waiting.remove(request)
+        elif self.kv.allocate_prefill(request) is None:
+            raise RuntimeError(f"scheduler bug: no device blocks to admit {request.request_id!r}")
+        # It leaves the waiting or swapped queue at the end of the step (_drop_admitted): one pass, not a
+        # list.remove per admission (O(admitted x queue)).
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         step.admitted.append(request)
         if request.in_prefill:
             step.plan.prefills.append(self._chunk(request, chunk_length))
+        else:  # a swapped-in request resumes decoding
+            step.decoders.append(request)
+            if self.kv.needs_decode_slot(request):
+                step.slot_takers.append(request)
 
     def _chunk_length(self, request: Request, tokens_left: int) -> int:
         chunk_size = self.config.chunk_size or tokens_left
@@ -368,7 +384,7 @@ class Scheduler:
     # -------------------------------------------------------------- preemption helpers
 
     def _block_demand(self, step: _StepState) -> int:
-        return sum(self.kv.needs_decode_slot(r) for r in self._decoders()) + sum(p.num_blocks for p in step.pending)
+        return len(step.slot_takers) + sum(p.num_blocks for p in step.pending)
 
     def _pick_victim(self, step: _StepState) -> Request | None:
         """Least important, then latest arrival; never one admitted this step, and never one at least as
@@ -380,6 +396,9 @@ class Scheduler:
 
     def _evict(self, victim: Request, step: _StepState) -> str:
         self.running.remove(victim)
+        for chosen in (step.decoders, step.slot_takers):
+            if victim in chosen:
+                chosen.remove(victim)
         step.plan.prefills = [c for c in step.plan.prefills if c.request is not victim]  # its chunk is off
         victim.num_preemptions += 1
         if self.config.preemption_mode == "swap" and self._swap_out(victim, step):

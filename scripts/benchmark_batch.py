@@ -51,7 +51,7 @@ def measure(model, batch: int) -> dict:
         steps += 1
     wall = time.perf_counter() - t0
     runner, times = engine.runner.timings, engine.step_times
-    host = times["schedule_s"] + times["postprocess_s"] + runner["pack_s"]
+    host = times["schedule_s"] + times["postprocess_s"] + times["outputs_s"] + runner["pack_s"]
     device = runner["device_s"]
     return dict(batch=batch, steps=steps, wall_s=wall, warmup_s=warmup_s,
                 output_tokens=batch * FLAGS.output_len, tokens_per_s=batch * FLAGS.output_len / wall,

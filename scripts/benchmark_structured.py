@@ -51,7 +51,7 @@ def model_config(vocab_size: int) -> ModelConfig:
 
 
 def run(engine: LLMEngine, spec: StructuredOutputsParams | None) -> dict:
-    engine.step_times.update(schedule_s=0.0, execute_s=0.0, postprocess_s=0.0, steps=0)
+    engine.step_times.update(schedule_s=0.0, execute_s=0.0, postprocess_s=0.0, outputs_s=0.0, steps=0)
     engine.runner.timings.update(device_s=0.0, pack_s=0.0)
     for i in range(FLAGS.batch):
         engine.add_request(None, list(range(100 + i, 100 + i + PROMPT_LEN)),

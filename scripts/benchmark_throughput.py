@@ -209,8 +209,8 @@ class FerryBackend:
     @staticmethod
     def _extras(before: dict, after: dict, peak_kv: float) -> dict:
         d = {k: after[k] - before[k] for k in after}
-        step_s = d["schedule_s"] + d["execute_s"] + d["postprocess_s"]
-        host_s = d["schedule_s"] + d["pack_s"] + d["postprocess_s"]  # the rest of execute is the jitted call
+        step_s = d["schedule_s"] + d["execute_s"] + d["postprocess_s"] + d["outputs_s"]
+        host_s = d["schedule_s"] + d["pack_s"] + d["postprocess_s"] + d["outputs_s"]  # execute's rest: the jitted call
         return {"steps": d["steps"], "compiles": d["compiles"], "preemptions": d["preemptions"],
                 "prefix_cache_hits": d["prefix_cache_hits"],
                 "prefix_cache_hit_rate": d["prefix_cache_hits"] / max(d["prefix_cache_queries"], 1),

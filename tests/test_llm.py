@@ -133,16 +133,12 @@ def text_model(tmp_path_factory):
     return make_text_model(tmp_path_factory, seed=_fresh_seed())[0]
 
 
-def test_stop_strings_and_streamed_text(text_model):
-    llm = LLM(text_model, EngineConfig(**CONFIG))
-    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    full = llm.generate(["hello world"], greedy, use_tqdm=False)[0].outputs[0]
-    tok = llm.tokenizer
-    assert full.text == tok.decode(tok.encode("hello world") + full.token_ids)[len(tok.decode(tok.encode("hello world"))):]
-    # A stop string spanning a token boundary somewhere in the middle of the text.
-    pieces = [tok.decode(tok.encode("hello world") + full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
-    # Not through a U+FFFD: a partial UTF-8 character decodes to one in the growing prefixes, so where it first
-    # "occurs" would be misjudged. The cut nearest the middle whose window has none.
+def middle_stop_string(tok, prompt: str, full) -> tuple[str, list[str]]:
+    """A 4-character stop string spanning a token boundary near the middle of `full`'s text, and the decoded
+    prompt + first i output tokens for every i. Not through a U+FFFD: a partial UTF-8 character decodes to one
+    in the growing prefixes, so where it first "occurs" would be misjudged. The cut nearest the middle whose
+    window has none."""
+    pieces = [tok.decode(tok.encode(prompt) + full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
     middle = len(full.token_ids) // 2
     for cut in sorted(range(2, len(full.token_ids) - 1), key=lambda i: abs(i - middle)):
         boundary = len(pieces[cut]) - len(pieces[0])
@@ -150,6 +146,16 @@ def test_stop_strings_and_streamed_text(text_model):
         if len(stop) == 4 and "\ufffd" not in stop:
             break
     assert len(stop) == 4 and "\ufffd" not in stop and stop in full.text
+    return stop, pieces
+
+
+def test_stop_strings_and_streamed_text(text_model):
+    llm = LLM(text_model, EngineConfig(**CONFIG))
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = llm.generate(["hello world"], greedy, use_tqdm=False)[0].outputs[0]
+    tok = llm.tokenizer
+    assert full.text == tok.decode(tok.encode("hello world") + full.token_ids)[len(tok.decode(tok.encode("hello world"))):]
+    stop, pieces = middle_stop_string(tok, "hello world", full)
     out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]),
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
@@ -173,6 +179,44 @@ def test_stop_strings_and_streamed_text(text_model):
             assert delta.request_id == rid
             streamed += delta.outputs[0].text
     assert streamed == out.text
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_outputs_steps_behind_the_core_change_nothing(text_model, lag):
+    """The server folds a step's outputs on its own thread, up to two steps behind the core (engine_loop.py).
+    Then a stop string ends its request in the core a step or two late, and the user sees exactly what the
+    synchronous path gives: text, token ids, finish and stop reasons, streamed deltas; nothing leaks."""
+    llm = LLM(text_model, EngineConfig(**CONFIG))
+    prompts = ["hello world", "the quick brown fox", "ferry jax", "of a"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    fulls = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                             stop=[middle_stop_string(llm.tokenizer, p, f)[0]] if i % 2 == 0 else [])
+              for i, (p, f) in enumerate(zip(prompts, fulls))]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    ids = [engine.add_request(None, p, q) for p, q in zip(prompts, params)]
+    render = {rid: engine.full_output(rid) for rid in ids}
+    core_requests = {rid: engine._groups[rid].requests[0] for rid in ids}
+    pending, streamed, finals = [], dict.fromkeys(ids, ""), {}
+    while engine.has_unfinished() or pending:
+        if engine.has_unfinished():
+            pending.append(engine.step_core())
+        if len(pending) > lag or not engine.has_unfinished():
+            for delta in engine.process_outputs(pending.pop(0)):
+                streamed[delta.request_id] += delta.outputs[0].text
+                if delta.finished:
+                    finals[delta.request_id] = render[delta.request_id]()
+    for rid, want in zip(ids, expected):
+        got, want = finals[rid].outputs[0], want.outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            want.text, want.token_ids, want.finish_reason, want.stop_reason)
+        assert streamed[rid] == got.text
+        # The core ran on for at most `lag` steps after the stop, plus the step that reads the finish.
+        assert len(want.token_ids) <= len(core_requests[rid].output_token_ids) <= len(want.token_ids) + lag + 1
+    assert sum(o.outputs[0].finish_reason == "stop" for o in expected) == 2
+    assert not engine.outputs.groups and engine.scheduler.kv.device_pool.num_used == 0
+    engine.scheduler.check_invariants()
 
 
 def test_bad_input_fails_at_submission_naming_the_field(llama):

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.engine import LLM, EngineConfig, EngineDeadError
+from engine import runner as runner_module
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from hf_models import make_hf_model
@@ -129,14 +130,14 @@ def test_top_k_beyond_vocabulary_is_no_filter(llm, prompts):
 def _poison(monkeypatch, bad_ids: set[str], after_tokens: int = 0):
     """Make the runner fail whenever it prepares a row of a request in `bad_ids` with at least
     `after_tokens` output tokens (a host-side fault inside the step)."""
-    original = ModelRunner._sampling_row
+    original = runner_module._needs_full_sampler  # asked of every row of every step
 
-    def sampling_row(self, request, history_len):
-        if request.request_id.rpartition("#")[0] in bad_ids and request.num_output_tokens >= after_tokens:
+    def needs_full_sampler(request, history_len):
+        if request.group_id in bad_ids and request.num_output_tokens >= after_tokens:
             raise RuntimeError(f"injected fault for {request.request_id}")
-        return original(self, request, history_len)
+        return original(request, history_len)
 
-    monkeypatch.setattr(ModelRunner, "_sampling_row", sampling_row)
+    monkeypatch.setattr(runner_module, "_needs_full_sampler", needs_full_sampler)
 
 
 @pytest.mark.parametrize("after_tokens", [0, 5])
@@ -178,8 +179,8 @@ def test_failed_requests_through_generate(llm, prompts, monkeypatch):
 
 
 def test_detokenizer_fault_ends_its_request_only(tmp_path_factory, monkeypatch):
-    """A fault in one request's text processing (inside postprocess) ends that request alone."""
-    from engine import engine as engine_module
+    """A fault in one request's text processing (on the output side) ends that request alone."""
+    from engine import output_processor as engine_module
     from hf_models import make_text_model
 
     llm = LLM(make_text_model(tmp_path_factory, seed=1)[0], EngineConfig(**CONFIG))

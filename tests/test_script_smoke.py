@@ -27,6 +27,18 @@ def test_benchmark_batch(tmp_path):
         assert 0 < r["host_share"] < 1 and 0 < r["device_share"] < 1
 
 
+def test_benchmark_host(tmp_path):
+    out = tmp_path / "host.json"
+    stdout = _run(["scripts/benchmark_host.py", "--cases=4x64,8x40", "--steps=3", "--device_ms=1",
+                   f"--json_out={out}"], tmp_path)
+    assert "pipelined step ms" in stdout
+    rows = json.load(open(out))["results"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(4, 64), (8, 40)]
+    for r in rows:
+        ms = r["median_ms"]
+        assert ms["runner"] >= 1.0 and ms["core"] > 0 and ms["step"] > 0 and ms["pipelined step"] >= 1.0
+
+
 def test_bench_native_attention(tmp_path):
     out = tmp_path / "native.json"
     stdout = _run(["scripts/bench_native_attention.py", "--batch=2", "--head_dims", "32", "--contexts", "16", "40",

@@ -237,7 +237,7 @@ def test_a_failing_engine_fails_requests_instead_of_hanging_them(model_dir):
         def step():
             raise RuntimeError("device lost")
 
-        broken.engine.step = step
+        broken.engine.step_core = step
         body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4}
         failed = httpx.post(broken.url + "/v1/completions", json=body, timeout=30)
         assert failed.status_code == 503 and "device lost" in failed.json()["error"]["message"]

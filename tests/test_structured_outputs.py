@@ -57,23 +57,29 @@ SCHEMAS = {
 # Written in the common subset of Rust's and Python's regex syntax ([0-9], not \d: Rust's \d is Unicode).
 REGEX = r"[0-9]{3}-[a-z]{2,5}( [A-Z][a-z]{0,3})?"
 CHOICES = ("yes", "no", "maybe not", "café")
-# Sums of small numbers in brackets: recursive, so a regex could not check it.
-LARK = 'start: expr\nexpr: NUM | "(" expr "+" expr ")"\nNUM: /[0-9]{1,2}/'
+# Sums of small numbers in brackets, nested at most MAX_DEPTH deep: recursive (a regex could not check the
+# brackets), yet bounded, so every sample ends within max_tokens. (Unbounded, a random model at temperature 1
+# opens brackets faster than it closes them often enough to run out of tokens: a flaky test.)
+MAX_DEPTH = 3
+LARK = "start: e3\n" + "".join(f'e{d}: NUM | "(" e{d - 1} "+" e{d - 1} ")"\n' for d in range(MAX_DEPTH, 0, -1)) + \
+    "e0: NUM\nNUM: /[0-9]{1,2}/"
 
 
 def parse_sum(text: str) -> bool:
     """Does `text` match LARK's language? A recursive-descent parser, independent of llguidance."""
-    def expr(i):
+    def expr(i, depth):
         if i < len(text) and text[i] == "(":
-            j = expr(i + 1)
+            if depth == 0:
+                return None
+            j = expr(i + 1, depth - 1)
             if j is None or text[j:j + 1] != "+":
                 return None
-            k = expr(j + 1)
+            k = expr(j + 1, depth - 1)
             return k + 1 if k is not None and text[k:k + 1] == ")" else None
         m = re.match(r"[0-9]{1,2}", text[i:])
         return i + m.end() if m else None
 
-    return expr(0) == len(text)
+    return expr(0, MAX_DEPTH) == len(text)
 
 
 @pytest.fixture(scope="module")

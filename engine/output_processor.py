@@ -1,0 +1,242 @@
+"""The output side of a step: detokenizing, stop strings, logprob dicts, and the RequestOutputs users see.
+
+The engine core (`LLMEngine.step_core`) advances requests by token ids only and reports each step as a
+`StepNews` snapshot: plain values, no live Request. Everything text-shaped happens here, on those snapshots,
+so it can run on another thread (the server's output thread, engine/engine_loop.py) while the core plans
+and runs the next step: the core never waits on text. `LLMEngine.step()` runs both, one after the other.
+
+A stop string is found here, after the core has moved on: the sample ends at once in its outputs (its
+text and token ids stop at the token that completed the stop string), and the core is told through
+`finishes` to end the request, which it does before its next schedule, a step later at most (tokens the
+core made meanwhile are dropped here). Work is O(requests with news), never O(all requests).
+"""
+
+import dataclasses
+import queue
+import time
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from models.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(slots=True)
+class CompletionOutput:
+    index: int                             # which of the request's n samples
+    text: str                              # in a step's delta: the new text; in a final output: all of it
+    token_ids: list[int]
+    finish_reason: str | None = None       # "stop", "length", "abort", "error"
+    logprobs: list[dict[int, float]] | None = None  # per token: {id: logprob} of the sampled and top ids
+    stop_reason: str | int | None = None   # the stop string or token id that ended it
+
+
+@dataclasses.dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: dict = dataclasses.field(default_factory=dict)
+    error: str | None = None               # set when the request failed (finish_reason "error"); others go on
+
+
+# ------------------------------------------------------------------ core -> output side
+
+@dataclasses.dataclass(slots=True)
+class SampleNews:
+    """What one sample gained in a step."""
+
+    request_id: str                # the user request (the group of n samples)
+    index: int                     # which of its samples
+    token_id: int                  # the output token it gained
+    logprob: tuple | None          # (logprob of token_id, [(id, logprob), ...] top-k) when it asks for logprobs
+    finish_reason: str | None      # the core's finish: "stop" (EOS, stop id, grammar), "length"
+
+
+@dataclasses.dataclass(slots=True)
+class StepNews:
+    samples: list[SampleNews]              # every sample that gained a token, in step order
+    prompt_logprobs: dict[str, list]       # request id -> this step's scored prompt rows [(logprob, top-k), ...]
+    errors: dict[str, str]                 # request id -> why the core failed it (every sample ends "error")
+    trace: list                            # the scheduler's decisions this step: [(phase, info), ...]
+    finished_at: float                     # time.monotonic() when the core step ended
+
+
+# ------------------------------------------------------------------ output state
+
+@dataclasses.dataclass(slots=True)
+class _SampleOutput:
+    """One of a request's n samples as the user sees it."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    stops: tuple[str, ...]                 # stop strings, armed once min_tokens tokens are out
+    min_tokens: int
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    emitted_tokens: int = 0                # output tokens already returned in a delta
+    emitted_text: int = 0                  # characters of text already returned in a delta
+
+
+@dataclasses.dataclass(slots=True)
+class OutputGroup:
+    """A user request (n samples of one prompt) as the user sees it. Made by the core's add_request, then
+    touched only by the output side."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    stop_token_ids: tuple[int, ...]
+    samples: list[_SampleOutput]
+    prompt_logprobs: list | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    error: str | None = None               # the request failed: every sample ended with "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self.groups: dict[str, OutputGroup] = {}  # unfinished requests (a dict op is atomic across threads)
+        # To the core: ("stop", request id, sample index) a stop string ended a sample; ("error", request id,
+        # message) its text failed. Thread-safe: the core drains it before each schedule.
+        self.finishes: queue.SimpleQueue = queue.SimpleQueue()
+
+    def register(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 stop_token_ids: tuple[int, ...]) -> OutputGroup:
+        samples = [_SampleOutput(i, self._detokenizer(prompt_ids, params), tuple(params.stop), params.min_tokens,
+                                 logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
+        group = OutputGroup(request_id, prompt, list(prompt_ids), stop_token_ids, samples,
+                            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                            arrival_time=time.monotonic())
+        self.groups[request_id] = group
+        return group
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted: no more outputs for it."""
+        self.groups.pop(request_id, None)
+
+    def _detokenizer(self, prompt_ids, params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        # Stop strings join once min_tokens are out (_advance), as vLLM checks them.
+        stops = tuple(params.stop) if params.min_tokens == 0 else ()
+        return IncrementalDetokenizer(self.tokenizer, list(prompt_ids), params.skip_special_tokens,
+                                      stops, params.include_stop_str_in_output)
+
+    # -------------------------------------------------------------- a step's news
+
+    def process(self, news: StepNews) -> list[RequestOutput]:
+        """Fold a step's news into the requests' text; a delta for every request that changed."""
+        changed: dict[str, list[_SampleOutput]] = {}
+        for request_id, error in news.errors.items():
+            if (group := self.groups.get(request_id)) is not None:
+                self._fail(group, error)
+                changed[request_id] = group.samples
+        for request_id, scores in news.prompt_logprobs.items():
+            if (group := self.groups.get(request_id)) is not None:
+                self._record_prompt_logprobs(group, scores)
+        for sample_news in news.samples:
+            group = self.groups.get(sample_news.request_id)
+            if group is None or group.error is not None:  # aborted, failed, or ended here already
+                continue
+            sample = group.samples[sample_news.index]
+            try:
+                if self._advance(group, sample, sample_news):
+                    changed.setdefault(group.request_id, []).append(sample)
+            except Exception as e:  # this sample's text failed (its detokenizer): the request ends, alone
+                self._fail(group, f"RuntimeError: {type(e).__name__}: {e}")
+                self.finishes.put(("error", group.request_id, group.error))
+                changed[group.request_id] = group.samples
+        deltas = []
+        for request_id, samples in changed.items():
+            group = self.groups[request_id]
+            if group.first_token_time is None:
+                group.first_token_time = news.finished_at
+            finished = group.finished
+            if finished:
+                group.finished_time = news.finished_at
+                del self.groups[request_id]
+            deltas.append(self.render(group, samples, delta=True, finished=finished))
+        return deltas
+
+    @staticmethod
+    def _record_prompt_logprobs(group: OutputGroup, scores: list) -> None:
+        if group.prompt_logprobs is None:
+            return
+        ids = group.prompt_token_ids
+        for logprob, top in scores:
+            entry = dict(top)
+            entry[ids[len(group.prompt_logprobs)]] = logprob
+            group.prompt_logprobs.append(entry)
+
+    def _advance(self, group: OutputGroup, sample: _SampleOutput, news: SampleNews) -> bool:
+        """Fold one sample's news in; True if there is something new to report."""
+        if sample.finish_reason is not None:  # ended here already: what the core made since is dropped
+            return False
+        detokenizer = sample.detokenizer
+        sample.token_ids.append(news.token_id)
+        if sample.logprobs is not None and news.logprob is not None:
+            logprob, top = news.logprob
+            entry = dict(top)
+            entry[news.token_id] = logprob
+            sample.logprobs.append(entry)
+        if detokenizer is not None:
+            if sample.stops and not detokenizer.stop and len(sample.token_ids) >= sample.min_tokens:
+                detokenizer.stop = sample.stops
+            sample.text += detokenizer.add_token(news.token_id)
+            if detokenizer.stopped_by is not None:
+                sample.finish_reason = "stop"
+                if news.finish_reason is None:  # the core still runs it: tell it to stop
+                    self.finishes.put(("stop", group.request_id, sample.index))
+        if sample.finish_reason is None:
+            sample.finish_reason = news.finish_reason
+        if sample.finish_reason is not None and detokenizer is not None:
+            sample.text += detokenizer.flush()  # held-back text; "" once already flushed
+        return True
+
+    @staticmethod
+    def _fail(group: OutputGroup, error: str) -> None:
+        group.error = error
+        for sample in group.samples:
+            sample.finish_reason = "error"
+
+    # -------------------------------------------------------------- rendering
+
+    def render(self, group: OutputGroup, samples, delta: bool, finished: bool | None = None) -> RequestOutput:
+        outputs = []
+        for sample in samples:
+            start_tok = sample.emitted_tokens if delta else 0
+            start_txt = sample.emitted_text if delta else 0
+            outputs.append(CompletionOutput(
+                index=sample.index, text=sample.text[start_txt:], token_ids=sample.token_ids[start_tok:],
+                finish_reason=sample.finish_reason,
+                logprobs=None if sample.logprobs is None else sample.logprobs[start_tok:],
+                stop_reason=_stop_reason(group, sample)))
+            if delta:
+                sample.emitted_tokens, sample.emitted_text = len(sample.token_ids), len(sample.text)
+        finished = group.finished if finished is None else finished
+        metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
+                   "finished_time": group.finished_time}
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
+                             group.prompt_logprobs if (finished or not delta) else None, metrics,
+                             error=group.error)
+
+
+def _stop_reason(group: OutputGroup, sample: _SampleOutput):
+    """The stop string or stop token id that ended a sample with "stop" (None for EOS or a grammar's end)."""
+    if sample.finish_reason != "stop":
+        return None
+    if sample.detokenizer is not None and sample.detokenizer.stopped_by is not None:
+        return sample.detokenizer.stopped_by
+    last = sample.token_ids[-1] if sample.token_ids else None
+    return last if last in group.stop_token_ids else None
