@@ -104,29 +104,34 @@ class DecodeRows:
     def __len__(self) -> int:
         return len(self._row_of)
 
-    def sync(self, requests) -> np.ndarray:
+    def sync(self, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Bring the rows up to date with `requests` (this step's decoders; any other request's row is
-        released). Returns their rows, i32[len(requests)], in order."""
+        released). Returns, in order, their rows, positions (num_tokens - 1) and input tokens (the last ones):
+        i64[len(requests)] each, gathered in the same one pass."""
         wanted = {r.request_id for r in requests}
         for rid in [rid for rid in self._row_of if rid not in wanted]:
             row = self._row_of.pop(rid)
             self._release(row)
             self._free_rows.append(row)
-        rows = np.empty(len(requests), np.int64)
-        for i, r in enumerate(requests):
-            row = self._row_of.get(r.request_id)
+        rows, positions, tokens = [], [], []
+        row_of, mirrored, lengths, tables = self._row_of, self._mirrored, self._lengths, self.tables
+        for r in requests:
+            row = row_of.get(r.request_id)
             if row is None:
-                row = self._row_of[r.request_id] = self._free_rows.pop()
-            ids, copied = r.block_ids, self._lengths[row]
-            if self._mirrored[row] is not ids:
+                row = row_of[r.request_id] = self._free_rows.pop()
+            ids, copied = r.block_ids, lengths[row]
+            if mirrored[row] is not ids:
                 self._release(row)
-                self._mirrored[row], copied = ids, 0
+                mirrored[row], copied = ids, 0
                 self.num_row_copies += 1
             if len(ids) > copied:
-                self.tables[row, copied:len(ids)] = ids[copied:]
-                self._lengths[row] = len(ids)
-            rows[i] = row
-        return rows
+                tables[row, copied:len(ids)] = ids[copied:]
+                lengths[row] = len(ids)
+            rows.append(row)
+            outputs = r.output_token_ids  # Request.num_tokens and last_token_id, without two property calls
+            positions.append(len(r.prompt_token_ids) + len(outputs) - 1)
+            tokens.append(outputs[-1] if outputs else r.prompt_token_ids[-1])
+        return np.array(rows, np.int64), np.array(positions, np.int64), np.array(tokens, np.int64)
 
     def _release(self, row: int) -> None:
         self.tables[row, :self._lengths[row]] = NULL_BLOCK
@@ -137,11 +142,10 @@ class DecodeRows:
         """The decode step's buffer for `requests` (each feeds its last token at position num_tokens - 1);
         equal to pack() over the same requests."""
         n = len(requests)
-        rows = self.sync(requests)
+        rows, positions, tokens = self.sync(requests)
         buf = np.zeros(layout.size, np.int32)
         views = _split(buf, layout)
-        positions = np.fromiter((r.num_tokens - 1 for r in requests), np.int64, n)
-        views["token_ids"][:n] = np.fromiter((r.last_token_id for r in requests), np.int32, n)
+        views["token_ids"][:n] = tokens
         views["positions"][:n] = positions
         tables = views["block_tables"].reshape(layout.num_seqs, layout.width)
         tables[:n] = self.tables[rows]

@@ -40,6 +40,8 @@ class Request:
     cache_salt: str | None = None           # prefix-cache namespace: only requests with the same salt share
     # Structured outputs (engine.structured.GrammarMatcher): masks each sampled token, follows the outputs
     grammar: Any = None
+    # The runner's cache of "params need the full sampler" (randomness, penalties, logprobs): None until asked
+    needs_full_sampler: bool | None = None
     # Hashes of the full blocks of all_token_ids, computed lazily by the KV cache manager: [n_hashed] x 32 bytes
     block_hashes: list[bytes] = field(default_factory=list)
 

@@ -58,8 +58,9 @@ def _wants_prompt_logprobs(request) -> bool:
 def _needs_full_sampler(request, history_len: int) -> bool:
     """Whether the request's row needs the full sampler (randomness, penalties, logprobs, banned ids, or
     a grammar's mask on a kept token: see ModelRunner._sampling_row), or plain argmax does."""
-    params = request.params
-    return ((params is not None and needs_full_sampler(params)) or bool(request.banned_token_ids)
+    if request.needs_full_sampler is None:  # asked every step of every row: once per request is enough
+        request.needs_full_sampler = request.params is not None and needs_full_sampler(request.params)
+    return (request.needs_full_sampler or bool(request.banned_token_ids)
             or (request.grammar is not None and history_len == request.num_tokens))
 
 

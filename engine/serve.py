@@ -27,6 +27,7 @@ from absl import app, flags
 
 from engine import cli_flags, multihost
 from engine.data_parallel import make_engine
+from engine.engine import freeze_startup_heap
 from engine.server import ServerConfig, build_app
 
 FLAGS = flags.FLAGS
@@ -132,6 +133,7 @@ def run(argv: list[str]):
         engine = make_engine(model_dir, engine_config)
     except (ValueError, FileNotFoundError) as e:
         cli_flags.exit_usage_error(str(e))
+    freeze_startup_heap()  # this process serves this engine to the end
     channel = multihost.CallChannel() if jax.process_count() > 1 else None
     if channel is not None and jax.process_index() > 0:
         log.info("process %d follows process 0 (which serves)", jax.process_index())

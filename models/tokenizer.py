@@ -190,9 +190,12 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         sp = self.processor
-        ids = [int(i) for i in ids]
+        ids = list(map(int, ids))
         if skip_special_tokens:
-            return sp.decode([i for i in ids if i not in self.special_ids])
+            # The detokenizer's hot path: a window with no special ids (the usual case) goes through as it is.
+            if not self.special_ids.isdisjoint(ids):
+                ids = [i for i in ids if i not in self.special_ids]
+            return sp.decode(ids)
         # Special pieces are written as their text; the stretches between them are decoded one by one.
         parts, run = [], []
         for i in ids:

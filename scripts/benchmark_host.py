@@ -20,7 +20,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.engine import EngineConfig, LLMEngine, freeze_startup_heap
 from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
@@ -60,13 +60,14 @@ def stub_device_step(vocab_size: int, device_s: float, seed: int = 0):
     return device_step
 
 
-PREFILL_TOKENS = 16384  # per step: the prompts go in quickly, in ceil(B x C / this) steps
+PREFILL_TOKENS = 16384  # per step: the prompts go in quickly, in about B x C / this steps (B < this)
 
 
 def max_output_tokens(batch: int, context: int, steps: int) -> int:
     """Enough that no request ends before the timed steps (twice `steps`) do: the first prefilled decode during the
     rest's prefill."""
-    return 2 * steps + -(-batch * context // PREFILL_TOKENS) + 2
+    prefill_steps = -(-batch * context // (PREFILL_TOKENS - batch))  # the decoders take a token each from the budget
+    return 2 * steps + prefill_steps + 2
 
 
 def stub_engine(batch: int, context: int, steps: int, tokenizer) -> LLMEngine:
@@ -78,7 +79,7 @@ def stub_engine(batch: int, context: int, steps: int, tokenizer) -> LLMEngine:
     blocks_per_seq = -(-max_len // FLAGS.block_size)
     engine = LLMEngine(random_model(cfg), EngineConfig(
         block_size=FLAGS.block_size, max_num_seqs=batch, max_model_len=max_len,
-        max_num_batched_tokens=max(batch, PREFILL_TOKENS), num_blocks=1 + batch * blocks_per_seq, num_host_blocks=0,
+        max_num_batched_tokens=PREFILL_TOKENS, num_blocks=1 + batch * blocks_per_seq, num_host_blocks=0,
         enable_prefix_caching=False), tokenizer=tokenizer)
     engine.runner.device_step = stub_device_step(vocab, FLAGS.device_ms / 1e3)
     return engine
@@ -87,6 +88,7 @@ def stub_engine(batch: int, context: int, steps: int, tokenizer) -> LLMEngine:
 def start_engine(batch: int, context: int, tokenizer) -> LLMEngine:
     """A stub engine with `batch` requests of `context` prompt tokens, all prefilled and decoding."""
     engine = stub_engine(batch, context, FLAGS.steps, tokenizer)
+    freeze_startup_heap()  # as engine.serve does before it takes requests
     rng = np.random.default_rng(batch * 100003 + context)
     params = SamplingParams(temperature=0.0, max_tokens=max_output_tokens(batch, context, FLAGS.steps), ignore_eos=True)
     vocab = engine.model.cfg.vocab_size
@@ -112,8 +114,9 @@ def phase_medians(engine: LLMEngine, batch: int) -> dict:
 
 
 def pipelined_step_ms(engine: LLMEngine, batch: int) -> float:
-    """Median milliseconds per step when the outputs run on their own thread, as in the server
-    (engine/engine_loop.py): the core steps on while the output thread, at most two steps behind, catches up."""
+    """Milliseconds per step when the outputs run on their own thread, as in the server (engine/engine_loop.py):
+    the core steps on while the output thread, at most two steps behind, catches up. Wall time over --steps
+    steps until the output thread is done too, so it is the rate both threads keep up together."""
     news: queue.Queue = queue.Queue(maxsize=2)
 
     def outputs():
@@ -121,16 +124,15 @@ def pipelined_step_ms(engine: LLMEngine, batch: int) -> float:
             engine.process_outputs(item)
 
     thread = threading.Thread(target=outputs)
+    t0 = time.perf_counter()
     thread.start()
-    times = []
     for _ in range(FLAGS.steps):
-        t0 = time.perf_counter()
         news.put(engine.step_core())
-        times.append(time.perf_counter() - t0)
     news.put(None)
     thread.join()
+    elapsed = time.perf_counter() - t0
     check_all_running(engine, batch)
-    return 1e3 * statistics.median(times)
+    return 1e3 * elapsed / FLAGS.steps
 
 
 def check_all_running(engine: LLMEngine, batch: int) -> None:
