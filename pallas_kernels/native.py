@@ -6,7 +6,8 @@
                                  query_start_loc, *, scale, soft_cap=None)
 
 take exactly the arguments of the references in pallas_kernels/reference.py and match them (float32
-and bfloat16, q and pages of one dtype; GQA/MQA; any head_dim and block size; optional soft cap).
+and bfloat16, q and pages of one dtype, or float32 q over bfloat16 pages: a bf16 KV cache under a
+float32 model; GQA/MQA; any head_dim and block size; optional soft cap).
 They run on the CPU backend only. `available()` says whether the library is loaded (and logs why
 not); callers fall back to the reference when it is False.
 
@@ -257,8 +258,12 @@ def library_path() -> Path | None:
 
 
 def supports(q_dtype, page_dtype) -> bool:
-    """Whether the native kernels take these dtypes (q and pages must match: no cache copy)."""
-    return jnp.dtype(q_dtype) == jnp.dtype(page_dtype) and jnp.dtype(q_dtype) in SUPPORTED_DTYPES
+    """Whether the native kernels take these dtypes: q and pages of one supported dtype, or float32 q
+    over bfloat16 pages (read in place and widened per page: no cache copy)."""
+    q_dtype, page_dtype = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
+    if q_dtype == page_dtype:
+        return q_dtype in SUPPORTED_DTYPES
+    return q_dtype == jnp.dtype(jnp.float32) and page_dtype == jnp.dtype(jnp.bfloat16)
 
 
 # ----------------------------------------------------------------------------- the calls
@@ -269,7 +274,8 @@ def _check(q, k_pages, v_pages):
         raise RuntimeError(f"native CPU paged attention unavailable: {unavailable_reason()}")
     if not (supports(q.dtype, k_pages.dtype) and k_pages.dtype == v_pages.dtype):
         raise ValueError(f"native paged attention takes float32 or bfloat16 q and pages of one "
-                         f"dtype, got q {q.dtype}, k {k_pages.dtype}, v {v_pages.dtype}")
+                         f"dtype, or bfloat16 pages under float32 q; got q {q.dtype}, k {k_pages.dtype}, "
+                         f"v {v_pages.dtype}")
 
 
 def _attrs(scale, soft_cap):

@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -72,4 +73,20 @@ def test_model_forward_with_kernels_matches_reference_path(impl):
     got = paged_greedy(model, prompts, 4, block_size=BLOCK, attention_impl=impl)
     for a, b in zip(got.prompt_logits + got.step_logits, ref.prompt_logits + ref.step_logits):
         assert rel_err(a, b) < 1e-5
+    assert got.tokens == ref.tokens
+
+
+def test_float32_model_over_bfloat16_cache():
+    """A bf16 KV cache under a float32 model: the default CPU impl (the native kernel, f32 queries over
+    bf16 pages) gives the reference path's float32 logits on the same bf16 cache."""
+    from pallas_kernels.attention import default_impl  # noqa: PLC0415
+
+    assert default_impl("cpu", np.float32, jnp.bfloat16) == "native"
+    rng = np.random.default_rng()
+    model = random_model(CFG, seed=int(rng.integers(1 << 30)))
+    prompts = [rng.integers(0, 128, n).tolist() for n in (3, 14)]
+    ref = paged_greedy(model, prompts, 4, block_size=BLOCK, attention_impl="reference", kv_dtype=jnp.bfloat16)
+    got = paged_greedy(model, prompts, 4, block_size=BLOCK, kv_dtype=jnp.bfloat16)
+    for a, b in zip(got.prompt_logits + got.step_logits, ref.prompt_logits + ref.step_logits):
+        assert a.dtype == np.float32 and rel_err(a, b) < 1e-5
     assert got.tokens == ref.tokens
