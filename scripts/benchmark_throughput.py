@@ -7,6 +7,7 @@ request generates exactly its output length:
   ferry          every request through LLMEngine's continuous batching at once.
   ferry-nocache  the same with prefix caching off (--workload=shared_prefix or multi_turn: the gain).
   ferry-unrolled the same with the decoder layers unrolled (EngineConfig.scan_layers=False).
+  ferry-kv-bf16  the same with a bfloat16 KV cache (EngineConfig.kv_dtype; under a float32 model).
   ferry-static   the same engine fed --static_batch requests at a time; the next batch starts only
                  when all of the previous one are done (request-level batching, no joins mid-batch).
   transformers   `model.generate` on left-padded batches of --static_batch prompts, max_new_tokens =
@@ -70,7 +71,7 @@ from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.loading import FERRY_CONFIG, LoadedModel, load_model, random_model
 
-BACKENDS = ("ferry", "ferry-nocache", "ferry-unrolled", "ferry-static", "transformers", "vllm")
+BACKENDS = ("ferry", "ferry-nocache", "ferry-unrolled", "ferry-kv-bf16", "ferry-static", "transformers", "vllm")
 HF_BACKENDS = ("transformers", "vllm")  # these load the Hugging Face directory themselves
 SINGLE_BACKENDS = ("ferry", "transformers", "vllm")
 WORKLOADS = ("random", "shared_prefix", "multi_turn")
@@ -113,6 +114,8 @@ flags.DEFINE_integer("num_blocks", None, "EngineConfig.num_blocks (default: from
 flags.DEFINE_float("memory_fraction", 0.5, "EngineConfig.memory_fraction")
 flags.DEFINE_integer("chunk_size", None, "EngineConfig.chunk_size (prefill chunk cap)")
 flags.DEFINE_integer("max_model_len", None, "EngineConfig.max_model_len (default: the longest request)")
+flags.DEFINE_enum("kv_dtype", None, ["float32", "bfloat16", "float16"],
+                  "EngineConfig.kv_dtype (default: the model's dtype; bfloat16 under a float32 model halves the cache)")
 # transformers
 flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads; 0: all cores")
 flags.DEFINE_string("torch_device", "cpu", "device for the transformers backend")
@@ -488,7 +491,8 @@ def engine_config(requests: list[bc.BenchRequest]) -> EngineConfig:
                         memory_fraction=FLAGS.memory_fraction, max_num_seqs=FLAGS.max_num_seqs,
                         max_num_batched_tokens=FLAGS.max_num_batched_tokens, chunk_size=FLAGS.chunk_size,
                         max_model_len=FLAGS.max_model_len or longest,
-                        tensor_parallel_size=FLAGS.tensor_parallel_size, data_parallel_size=FLAGS.data_parallel_size)
+                        tensor_parallel_size=FLAGS.tensor_parallel_size, data_parallel_size=FLAGS.data_parallel_size,
+                        kv_dtype=FLAGS.kv_dtype)
 
 
 def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: EngineConfig,
@@ -499,6 +503,8 @@ def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: Engi
         return FerryBackend(name, model, dataclasses.replace(config, enable_prefix_caching=False), batch_size=None)
     if name == "ferry-unrolled":
         return FerryBackend(name, model, dataclasses.replace(config, scan_layers=False), batch_size=None)
+    if name == "ferry-kv-bf16":
+        return FerryBackend(name, model, dataclasses.replace(config, kv_dtype="bfloat16"), batch_size=None)
     if name == "ferry-static":
         return FerryBackend(name, model, config, batch_size=FLAGS.static_batch)
     if name == "vllm":
