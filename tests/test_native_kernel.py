@@ -137,6 +137,24 @@ def test_float32_queries_over_bfloat16_pages(seed):
                   what="prefill f32 q, bf16 pages")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kv_write_matches_scatter_in_place(seed, dtype):
+    """kv_write sets exactly the addressed rows (out-of-range slots dropped) like `.at[].set(mode="drop")`,
+    into the donated pages' own buffer."""
+    rng = np.random.default_rng(seed)
+    nb, bs, h, d, t = 6, 4, 2, 8, 7
+    pages = jnp.asarray(rng.standard_normal((nb, bs, h, d)), dtype)
+    updates = jnp.asarray(rng.standard_normal((t, h, d)), jnp.float32)  # cast to the pages' dtype
+    slots = rng.choice(nb * bs, size=t, replace=False).astype(np.int32)
+    slots[-1] = nb * bs + 3  # past the end: dropped
+    flat = pages.reshape(nb * bs, h, d)
+    want = flat.at[slots].set(updates.astype(dtype), mode="drop").reshape(pages.shape)
+    address = pages.unsafe_buffer_pointer()
+    got = jax.jit(native.kv_write, donate_argnums=0)(pages, updates, slots)
+    assert got.unsafe_buffer_pointer() == address, "kv_write copied the pages"
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=f"seed={seed}")
+
+
 # ----------------------------------------------------------------------------- prefill
 
 # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap): test_kernels.py's, and

@@ -4,6 +4,9 @@
 //                               context_lens [S] i32                      -> out [S, Hq, D]
 //   FerryPagedPrefillAttention  q [T, Hq, D], k/v pages, block_tables, context_lens,
 //                               query_start_loc [S + 1] i32               -> out [T, Hq, D]
+//   FerryKvWrite                pages [NB, BS, Hkv, D], new [T, Hkv, D] (pages' dtype),
+//                               slot_mapping [T] i32  -> pages with row slot_mapping[t] = new[t]
+//                               (aliased in place; slots outside [0, NB * BS) are dropped)
 //
 // Attributes: scale (f32) and soft_cap (f32; 0 = no cap). Semantics are those of
 // pallas_kernels/reference.py: a query's absolute position is context_len - query_len + its index
@@ -685,6 +688,32 @@ ffi::Error Guarded(F&& body) {
   }
 }
 
+// ----------------------------------------------------------------------------- KV write
+
+// XLA CPU widens a scatter into a bfloat16/float16 array to float32 over the whole operand (a
+// convert and a copy of every page, per layer, per step); this writes only the T rows, in place.
+ffi::Error KvWriteImpl(ffi::AnyBuffer pages, ffi::AnyBuffer updates, ffi::Buffer<ffi::S32> slots,
+                       ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pages.dimensions(), ud = updates.dimensions();
+  if (pages.element_type() != updates.element_type() || out->element_type() != pages.element_type())
+    return ffi::Error::InvalidArgument("ferry kv write: pages, updates and out must share a dtype");
+  if (pd.size() != 4 || ud.size() != 3 || slots.dimensions().size() != 1 || ud[1] != pd[2] ||
+      ud[2] != pd[3] || slots.dimensions()[0] != ud[0])
+    return ffi::Error::InvalidArgument(
+        "ferry kv write: expected pages [NB,BS,H,D], updates [T,H,D], slot_mapping [T]");
+  const int64_t row_bytes = static_cast<int64_t>(pages.size_bytes() / (pd[0] * pd[1]));
+  const int64_t num_slots = pd[0] * pd[1];
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != pages.untyped_data())  // not aliased after all: start from the pages
+    std::memcpy(dst, pages.untyped_data(), pages.size_bytes());
+  const char* src = static_cast<const char*>(updates.untyped_data());
+  const int32_t* slot = slots.typed_data();
+  for (int64_t t = 0; t < ud[0]; ++t)
+    if (slot[t] >= 0 && slot[t] < num_slots)
+      std::memcpy(dst + slot[t] * row_bytes, src + t * row_bytes, row_bytes);
+  return ffi::Error::Success();
+}
+
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
                       ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap) {
@@ -733,6 +762,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryPagedPrefillAttention, PrefillImpl,
 
 #undef FERRY_PAGED_ATTENTION_BINDING
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryKvWrite, KvWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // pages
+                                  .Arg<ffi::AnyBuffer>()         // updates
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
+                                  .Ret<ffi::AnyBuffer>());       // pages, aliased
+
 // Let the loader (pallas_kernels/native.py) check that the library matches the Python side and
 // was built from this very source (the build passes -DFERRY_SOURCE_HASH=<sha256 prefix>).
 // The jaxlib whose FFI headers it was compiled against goes in too: XLA takes handlers built with
@@ -743,7 +779,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryPagedPrefillAttention, PrefillImpl,
 #ifndef FERRY_JAXLIB_VERSION
 #define FERRY_JAXLIB_VERSION "unknown"
 #endif
-extern "C" int FerryPagedAttentionAbiVersion() { return 1; }
+extern "C" int FerryPagedAttentionAbiVersion() { return 2; }
 extern "C" const char* FerryPagedAttentionSourceHash() { return FERRY_SOURCE_HASH; }
 extern "C" const char* FerryPagedAttentionJaxlibVersion() { return FERRY_JAXLIB_VERSION; }
 
