@@ -11,6 +11,8 @@ once `_hf_to_ferry_name` has dropped "model." and renamed "weight"), while the m
 layer parameter once, stacked over layers ("layers.mlp.up_proj.kernel" [num_layers, ...], see
 models/transformer.py). `_fill_state` is the one place the per-layer names meet the stacked tree: it
 puts tensor "layers.i.NAME" at index i of "layers.NAME"; `_per_layer_tensors` is its inverse, for saving.
+The model fuses q/k/v and gate/up (transformer.FUSED_PROJECTIONS); `_fuse_projections` concatenates
+checkpoints' separate tensors (Hugging Face, GGUF, Ferry checkpoints saved before the fusion) on load.
 """
 
 import dataclasses
@@ -27,7 +29,7 @@ from safetensors import safe_open
 
 from models.config import ConfigError, ModelConfig, load_hf_config, max_context_len, read_json
 from models.packaged import resolve_packaged
-from models.transformer import Transformer
+from models.transformer import FUSED_PROJECTIONS, Transformer, fused_projection_widths
 
 FERRY_CONFIG = "ferry_config.json"
 PARAMS_DIR = "params"
@@ -126,6 +128,33 @@ def _per_layer_tensors(params: dict) -> dict[str, jax.Array]:
     return out
 
 
+def _unfused_leaves(leaves: dict[str, jax.ShapeDtypeStruct], cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    """Per-layer leaves with each fused projection replaced by its parts ("layers.3.mlp.gate_up_proj.kernel"
+    -> "layers.3.mlp.gate_proj.kernel", "layers.3.mlp.up_proj.kernel"): the names checkpoints store."""
+    widths = {f"{module}.{proj}": w for module, proj, w in fused_projection_widths(cfg)}
+    out = {}
+    for name, leaf in leaves.items():
+        fused = next((f for f in FUSED_PROJECTIONS if f".{f}." in name), None)
+        if fused is None:
+            out[name] = leaf
+            continue
+        for part, width in zip(FUSED_PROJECTIONS[fused], widths[fused]):
+            out[name.replace(fused, part)] = jax.ShapeDtypeStruct((*leaf.shape[:-1], width), leaf.dtype)
+    return out
+
+
+def _fuse_projections(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Concatenate (in place) every layer's separate projections into the model's fused ones; arrays
+    already fused pass through."""
+    for fused, parts in FUSED_PROJECTIONS.items():
+        first = f".{parts[0]}."
+        for name in [n for n in arrays if first in n]:
+            prefix, leaf = name.split(first)  # "layers.3", "kernel"
+            tensors = [arrays.pop(f"{prefix}.{part}.{leaf}") for part in parts]
+            arrays[f"{prefix}.{fused}.{leaf}"] = jnp.concatenate(tensors, axis=-1)
+    return arrays
+
+
 def _fill_state(graphdef, state, arrays: dict[str, jax.Array]) -> nnx.State:
     """Put per-layer-named `arrays` (consumed: each is dropped once stacked) into `state`."""
     pure = nnx.to_pure_dict(state)
@@ -190,7 +219,8 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype, tensors, max_model_len: int, 
     shapes were derived from) only name things in errors. Every checkpoint format funnels through here,
     so the HF name -> parameter tree mapping lives in one place."""
     graphdef, abstract = abstract_model(cfg, dtype)
-    expected = _per_layer_leaves(abstract)  # per-layer names; _fill_state stacks them for the scan
+    # per-layer names, q/k/v and gate/up apart as checkpoints store them; fused, then stacked, below
+    expected = _unfused_leaves(_per_layer_leaves(abstract), cfg)
     arrays = {}
     for where, hf_name, host in tensors:
         if hf_name.endswith(_IGNORED_SUFFIXES):
@@ -209,7 +239,7 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype, tensors, max_model_len: int, 
     missing = sorted(set(expected) - set(arrays))
     if missing:
         raise ConfigError(f"{path}: checkpoint lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    state = _fill_state(graphdef, abstract, arrays)
+    state = _fill_state(graphdef, abstract, _fuse_projections(arrays))
     return LoadedModel(cfg, graphdef, state, max_model_len, path)
 
 
@@ -244,14 +274,14 @@ def load_checkpoint(ckpt_dir: str, dtype=None) -> LoadedModel:
         stored = getattr(stored, "item_metadata", stored)
         saved_dtype = next(iter(stored.values())).dtype
         dtype = _dtype(dtype) or jnp.dtype(saved_dtype)
-        graphdef, abstract = abstract_model(cfg, saved_dtype)
         # the default device: the host when the engine loads for several devices (models/sharding.py)
         sharding = jax.sharding.SingleDeviceSharding(jax.config.jax_default_device or jax.devices()[0])
+        # as stored: checkpoints saved before the fusion hold q/k/v and gate/up apart
         target = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-                  for name, leaf in _per_layer_leaves(abstract).items()}
-        arrays = ckptr.restore(params_dir, target)
+                  for name, leaf in stored.items()}
+        arrays = _fuse_projections(ckptr.restore(params_dir, target))
+    graphdef, abstract = abstract_model(cfg, dtype)
     if dtype != jnp.dtype(saved_dtype):
-        graphdef, abstract = abstract_model(cfg, dtype)
         arrays = {k: v.astype(dtype) for k, v in arrays.items()}
     state = _fill_state(graphdef, abstract, arrays)
     return LoadedModel(cfg, graphdef, state, int(meta.get("max_model_len", cfg.max_position_embeddings)), ckpt_dir)

@@ -1,7 +1,8 @@
 """One decoder-only transformer for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma).
 
-Module and attribute names follow Hugging Face's (`layers.self_attn.q_proj`), so checkpoint
-names map onto the parameter tree mechanically (models/loading.py). The decoder layers are ONE
+Module and attribute names follow Hugging Face's (`layers.self_attn.o_proj`), so checkpoint
+names map onto the parameter tree mechanically (models/loading.py), except that q/k/v and gate/up
+are fused, one matmul each (`qkv_proj`, `gate_up_proj`; FUSED_PROJECTIONS says what each holds). The decoder layers are ONE
 `DecoderLayer` whose parameters carry a leading [num_layers] axis, run by `jax.lax.scan`: the step
 traces and compiles one layer, so start-up cost does not grow with depth. The forward pass is paged:
 it writes this step's K/V into the cache and attends through block tables (models/paged.py).
@@ -16,10 +17,34 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from models.paged import AttentionMetadata, KVCache, layer_pool, write_kv
-from models.sharding import HEADS_SPEC, KV_POOL_SPEC, MODEL_AXIS, model_axis_size
+from models.sharding import HEADS_SPEC, KV_POOL_SPEC, MODEL_AXIS, fused_groups, model_axis_size, split_columns
 from pallas_kernels.attention import paged_attention
 
 _INIT = nnx.initializers.normal(0.02)
+
+# Fused parameter -> the Hugging Face projections it holds, concatenated over output features in this
+# order (one group; under tensor parallelism one group per shard, models/sharding.fuse_columns).
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def qkv_widths(cfg: ModelConfig) -> tuple[int, int, int]:
+    kv = cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_heads * cfg.head_dim, kv, kv
+
+
+def fused_projection_widths(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(module, fused projection, its parts' widths) for each entry of FUSED_PROJECTIONS."""
+    return [("self_attn", "qkv_proj", qkv_widths(cfg)),
+            ("mlp", "gate_up_proj", (cfg.intermediate_size, cfg.intermediate_size))]
+
+
+def split_fused(y, widths: tuple[int, ...]) -> list:
+    """A fused projection's output [..., sum(widths)] -> its parts, in the layout the parameters have
+    under the mesh being traced (one group per shard when the parts split evenly)."""
+    return split_columns(y, widths, fused_groups(widths, model_axis_size()))
 
 
 class RMSNorm(nnx.Module):
@@ -60,21 +85,25 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs):
         self.cfg = cfg
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = _linear(h, cfg.num_heads * d, cfg.qkv_bias, dtype, rngs)
-        self.k_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
-        self.v_proj = _linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.qkv_proj = _linear(h, sum(qkv_widths(cfg)), cfg.qkv_bias, dtype, rngs)
         self.o_proj = _linear(cfg.num_heads * d, h, cfg.o_bias, dtype, rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset, dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset, dtype)
 
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, attention_impl):
-        cfg, num_tokens = self.cfg, x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    def project(self, x):
+        """x [..., hidden] -> q [..., Hq, D], k and v [..., Hkv, D] (one matmul), q/k normed if the model does."""
+        cfg = self.cfg
+        q, k, v = split_fused(self.qkv_proj(x), qkv_widths(cfg))
+        heads = lambda t, n: t.reshape(*t.shape[:-1], n, cfg.head_dim)  # noqa: E731
+        q, k, v = heads(q, cfg.num_heads), heads(k, cfg.num_kv_heads), heads(v, cfg.num_kv_heads)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, attention_impl):
+        cfg, num_tokens = self.cfg, x.shape[0]
+        q, k, v = self.project(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attend = functools.partial(_write_and_attend, cfg=cfg, attention_impl=attention_impl)
         if model_axis_size() > 1:
@@ -99,15 +128,15 @@ def _write_and_attend(q, k, v, kv, md: AttentionMetadata, *, cfg: ModelConfig, a
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs):
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(h, i, cfg.mlp_bias, dtype, rngs)
-        self.up_proj = _linear(h, i, cfg.mlp_bias, dtype, rngs)
+        self.gate_up_proj = _linear(h, 2 * i, cfg.mlp_bias, dtype, rngs)
         self.down_proj = _linear(i, h, cfg.mlp_bias, dtype, rngs)
         self.gelu = cfg.hidden_act == "gelu_tanh"
+        self.intermediate_size = i
 
     def __call__(self, x):
-        gate = self.gate_proj(x)
+        gate, up = split_fused(self.gate_up_proj(x), (self.intermediate_size,) * 2)
         gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nnx.Module):

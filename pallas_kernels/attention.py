@@ -32,13 +32,15 @@ IMPLS = ("reference", "native", "pallas", "pallas_interpret", "pallas_tpu", "pal
          "jax_triton")
 
 
-def default_impl(backend: str | None = None, dtype=None) -> str:
+def default_impl(backend: str | None = None, dtype=None, page_dtype=None) -> str:
+    """The impl for `backend` (default: JAX's) with q of `dtype` over pages of `page_dtype` (default:
+    q's): on CPU the native kernel where it takes the pair, else the reference."""
     backend = backend or jax.default_backend()
     if backend == "tpu":
         return "pallas_tpu"
     if backend != "cpu":
         return "pallas" if pallas_triton_available() else "jax_triton"
-    if native.available() and (dtype is None or native.supports(dtype, dtype)):
+    if native.available() and (dtype is None or native.supports(dtype, page_dtype or dtype)):
         return "native"
     return "reference"
 
@@ -48,7 +50,7 @@ def paged_attention(
     *, decode: bool, scale: float, soft_cap: float | None = None, impl: str | None = None,
 ):
     """Decode (one query per sequence, q [S, Hq, D]) or chunked prefill (flat q [T, Hq, D])."""
-    impl = impl or default_impl(dtype=q.dtype)
+    impl = impl or default_impl(dtype=q.dtype, page_dtype=k_pages.dtype)
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
     if impl == "pallas" and jax.default_backend() == "tpu":

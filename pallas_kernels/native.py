@@ -6,8 +6,10 @@
                                  query_start_loc, *, scale, soft_cap=None)
 
 take exactly the arguments of the references in pallas_kernels/reference.py and match them (float32
-and bfloat16, q and pages of one dtype; GQA/MQA; any head_dim and block size; optional soft cap).
-They run on the CPU backend only. `available()` says whether the library is loaded (and logs why
+and bfloat16, q and pages of one dtype, or float32 q over bfloat16 pages: a bf16 KV cache under a
+float32 model; GQA/MQA; any head_dim and block size; optional soft cap).
+`kv_write(pages, updates, slot_mapping)` scatters one step's K or V rows into the pages in place (XLA
+CPU's own scatter into a 16-bit float cache rewrites every page). They run on the CPU backend only. `available()` says whether the library is loaded (and logs why
 not); callers fall back to the reference when it is False.
 
 Where the library comes from, first match wins:
@@ -52,7 +54,8 @@ PACKAGE_LIBRARY = _HERE / "cpu" / LIBRARY_NAME
 
 DECODE_TARGET = "ferry_paged_decode_attention"
 PREFILL_TARGET = "ferry_paged_prefill_attention"
-ABI_VERSION = 1  # FerryPagedAttentionAbiVersion() in the .cc
+KV_WRITE_TARGET = "ferry_kv_write"
+ABI_VERSION = 2  # FerryPagedAttentionAbiVersion() in the .cc
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -173,7 +176,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
         abi = lib.FerryPagedAttentionAbiVersion()
         built_from = lib.FerryPagedAttentionSourceHash().decode()
         headers = lib.FerryPagedAttentionJaxlibVersion().decode()
-        lib.FerryPagedDecodeAttention, lib.FerryPagedPrefillAttention  # noqa: B018 (must exist)
+        lib.FerryPagedDecodeAttention, lib.FerryPagedPrefillAttention, lib.FerryKvWrite  # noqa: B018 (must exist)
     except AttributeError as e:
         return None, f"{path} is not a Ferry attention library: {e}"
     if abi != ABI_VERSION:
@@ -226,7 +229,8 @@ def _load() -> dict:
             lib, path, reason = _locate()
             if lib is not None:
                 for name, fn in ((DECODE_TARGET, lib.FerryPagedDecodeAttention),
-                                 (PREFILL_TARGET, lib.FerryPagedPrefillAttention)):
+                                 (PREFILL_TARGET, lib.FerryPagedPrefillAttention),
+                                 (KV_WRITE_TARGET, lib.FerryKvWrite)):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
             else:
                 _log.warning("native CPU paged attention unavailable (using the reference): %s",
@@ -257,8 +261,12 @@ def library_path() -> Path | None:
 
 
 def supports(q_dtype, page_dtype) -> bool:
-    """Whether the native kernels take these dtypes (q and pages must match: no cache copy)."""
-    return jnp.dtype(q_dtype) == jnp.dtype(page_dtype) and jnp.dtype(q_dtype) in SUPPORTED_DTYPES
+    """Whether the native kernels take these dtypes: q and pages of one supported dtype, or float32 q
+    over bfloat16 pages (read in place and widened per page: no cache copy)."""
+    q_dtype, page_dtype = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
+    if q_dtype == page_dtype:
+        return q_dtype in SUPPORTED_DTYPES
+    return q_dtype == jnp.dtype(jnp.float32) and page_dtype == jnp.dtype(jnp.bfloat16)
 
 
 # ----------------------------------------------------------------------------- the calls
@@ -269,7 +277,8 @@ def _check(q, k_pages, v_pages):
         raise RuntimeError(f"native CPU paged attention unavailable: {unavailable_reason()}")
     if not (supports(q.dtype, k_pages.dtype) and k_pages.dtype == v_pages.dtype):
         raise ValueError(f"native paged attention takes float32 or bfloat16 q and pages of one "
-                         f"dtype, got q {q.dtype}, k {k_pages.dtype}, v {v_pages.dtype}")
+                         f"dtype, or bfloat16 pages under float32 q; got q {q.dtype}, k {k_pages.dtype}, "
+                         f"v {v_pages.dtype}")
 
 
 def _attrs(scale, soft_cap):
@@ -296,6 +305,17 @@ def paged_prefill_attention_native(q, k_pages, v_pages, block_tables, context_le
     return call(q, k_pages, v_pages, jnp.asarray(block_tables, jnp.int32),
                 jnp.asarray(context_lens, jnp.int32), jnp.asarray(query_start_loc, jnp.int32),
                 **_attrs(scale, soft_cap))
+
+
+def kv_write(pages, updates, slot_mapping):
+    """pages [NB, BS, H, D] with row slot_mapping[t] (block * BS + offset) set to updates[t] [T, H, D]
+    (cast to the pages' dtype); slots outside the pages are dropped, as `.at[].set(mode="drop")`.
+    The output aliases `pages`: under a donated cache XLA writes the T rows in place."""
+    if not available():
+        raise RuntimeError(f"native CPU kv write unavailable: {unavailable_reason()}")
+    call = jax.ffi.ffi_call(KV_WRITE_TARGET, jax.ShapeDtypeStruct(pages.shape, pages.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(pages, updates.astype(pages.dtype), jnp.asarray(slot_mapping, jnp.int32))
 
 
 # ----------------------------------------------------------------------------- command line

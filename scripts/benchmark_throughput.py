@@ -7,11 +7,16 @@ request generates exactly its output length:
   ferry          every request through LLMEngine's continuous batching at once.
   ferry-nocache  the same with prefix caching off (--workload=shared_prefix or multi_turn: the gain).
   ferry-unrolled the same with the decoder layers unrolled (EngineConfig.scan_layers=False).
+  ferry-kv-bf16  the same with a bfloat16 KV cache (EngineConfig.kv_dtype; under a float32 model).
   ferry-static   the same engine fed --static_batch requests at a time; the next batch starts only
                  when all of the previous one are done (request-level batching, no joins mid-batch).
   transformers   `model.generate` on left-padded batches of --static_batch prompts, max_new_tokens =
                  the batch's longest output, EOS disabled; only each request's own output tokens
                  count. Torch uses --torch_threads (default: all cores).
+  vllm           vLLM's offline `LLM.generate` on every request at once (token-id prompts, greedy,
+                 ignore_eos), run by --vllm_python (a venv with vLLM, e.g. its CPU build) as a
+                 subprocess (scripts/vllm_worker.py) that lives through every repeat. Warm-up is one
+                 untimed pass over the whole workload. Skipped, with a warning, without --vllm_python.
 
 Static batches are consecutive requests in workload order (random lengths, so each batch waits on
 its longest member; --static_sort groups similar prompt lengths instead).
@@ -48,7 +53,9 @@ directly. --model=DIR runs a Hugging Face (or, without transformers, a Ferry) ch
 """
 
 import dataclasses
+import json
 import os
+import subprocess
 import tempfile
 import time
 
@@ -64,7 +71,9 @@ from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.loading import FERRY_CONFIG, LoadedModel, load_model, random_model
 
-BACKENDS = ("ferry", "ferry-nocache", "ferry-unrolled", "ferry-static", "transformers")
+BACKENDS = ("ferry", "ferry-nocache", "ferry-unrolled", "ferry-kv-bf16", "ferry-static", "transformers", "vllm")
+HF_BACKENDS = ("transformers", "vllm")  # these load the Hugging Face directory themselves
+SINGLE_BACKENDS = ("ferry", "transformers", "vllm")
 WORKLOADS = ("random", "shared_prefix", "multi_turn")
 
 FLAGS = flags.FLAGS
@@ -105,9 +114,17 @@ flags.DEFINE_integer("num_blocks", None, "EngineConfig.num_blocks (default: from
 flags.DEFINE_float("memory_fraction", 0.5, "EngineConfig.memory_fraction")
 flags.DEFINE_integer("chunk_size", None, "EngineConfig.chunk_size (prefill chunk cap)")
 flags.DEFINE_integer("max_model_len", None, "EngineConfig.max_model_len (default: the longest request)")
+flags.DEFINE_enum("kv_dtype", None, ["float32", "bfloat16", "float16"],
+                  "EngineConfig.kv_dtype (default: the model's dtype; bfloat16 under a float32 model halves the cache)")
 # transformers
 flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads; 0: all cores")
 flags.DEFINE_string("torch_device", "cpu", "device for the transformers backend")
+# vLLM
+flags.DEFINE_string("vllm_python", None, "python of a venv with vLLM (e.g. /work/vllm-venv/bin/python); "
+                    "without it the vllm backend is skipped")
+flags.DEFINE_string("vllm_threads_bind", None, "VLLM_CPU_OMP_THREADS_BIND (default: every core, 0-N)")
+flags.DEFINE_integer("vllm_kvcache_gib", 2, "VLLM_CPU_KVCACHE_SPACE (GiB)")
+flags.DEFINE_integer("vllm_max_num_batched_tokens", None, "vLLM's max_num_batched_tokens (default: vLLM's)")
 # single-request latency
 flags.DEFINE_bool("single_request", True, "also time one request alone (ferry and transformers)")
 flags.DEFINE_integer("single_prompt_len", 128, "single request: prompt tokens")
@@ -321,6 +338,88 @@ class TransformersBackend:
         return TokenClock()
 
 
+# ------------------------------------------------------------------ vLLM (a subprocess in its own venv)
+
+class VllmBackend:
+    """scripts/vllm_worker.py under --vllm_python: one vLLM engine for the whole benchmark, fed each
+    timed pass as one JSON line; it times its own `generate` call (the pipe is not on the clock)."""
+
+    name = "vllm"
+
+    def __init__(self, python: str, model_dir: str, dtype: str, config: EngineConfig, log_dir: str):
+        cpus = os.cpu_count() or 1
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # vLLM's venv, not Ferry's tree
+        env.update(VLLM_CPU_OMP_THREADS_BIND=FLAGS.vllm_threads_bind or f"0-{cpus - 1}",
+                   VLLM_CPU_KVCACHE_SPACE=str(FLAGS.vllm_kvcache_gib), TOKENIZERS_PARALLELISM="false")
+        self.env = {k: env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
+        self.args = {"model": model_dir, "dtype": dtype, "max_model_len": config.max_model_len,
+                     "max_num_seqs": config.max_num_seqs, "seed": FLAGS.seed}
+        if FLAGS.vllm_max_num_batched_tokens:
+            self.args["max_num_batched_tokens"] = FLAGS.vllm_max_num_batched_tokens
+        self.log_path = os.path.join(log_dir, "vllm_worker.log")
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
+        self.proc = subprocess.Popen([python, worker, json.dumps(self.args)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True, env=env)
+        ready = self._answer()
+        self.load_s, self.version = ready["load_s"], ready["vllm_version"]
+        self.requests: list[bc.BenchRequest] = []  # the workload, for warm-up (set by make_backend)
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            tail = open(self.log_path).read()[-4000:]
+            raise RuntimeError(f"vLLM worker exited ({self.proc.returncode}):\n{tail}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"vLLM worker: {answer['error']}")
+        return answer
+
+    def _ask(self, **command) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def _generate(self, requests: list[bc.BenchRequest]) -> dict:
+        if any(r.follows is not None for r in requests):
+            raise RuntimeError("the vllm backend runs independent requests only (not --workload=multi_turn)")
+        return self._ask(op="generate", prompts=[r.prompt_ids for r in requests],
+                         output_lens=[r.output_len for r in requests])
+
+    def warmup(self) -> float:
+        """One untimed pass over the workload: whatever vLLM compiles or captures on first sight of a
+        shape happens here."""
+        t0 = time.perf_counter()
+        self._generate(self.requests)
+        return time.perf_counter() - t0
+
+    def run(self, requests: list[bc.BenchRequest]) -> Run:
+        answer = self._generate(requests)
+        return Run(answer["elapsed_s"], answer["produced"], {"vllm_version": self.version, **self.env})
+
+    def single(self, prompt_ids: list[int], output_len: int) -> dict:
+        answer = self._ask(op="single", prompt=prompt_ids, output_len=output_len)
+        return single_metrics(answer["ttft_s"], answer["total_s"], answer["produced"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+
+
+def available_backends(names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(the backends to run, {skipped backend: why}): vllm only with --vllm_python."""
+    if "vllm" not in names:
+        return names, {}
+    if not FLAGS.vllm_python:
+        logging.warning("skipping the vllm backend: no --vllm_python")
+        return [n for n in names if n != "vllm"], {"vllm": "no --vllm_python"}
+    if not os.path.exists(FLAGS.vllm_python):
+        raise app.UsageError(f"--vllm_python={FLAGS.vllm_python}: no such file")
+    return names, {}
+
+
 # ------------------------------------------------------------------ model and workload
 
 def random_model_config() -> ModelConfig:
@@ -346,13 +445,16 @@ def save_random_hf_llama(out_dir: str) -> str:
 
 
 def prepare_model(backends: list[str], scratch: str) -> tuple[LoadedModel, str | None, str]:
-    """(Ferry's model, a Hugging Face directory for transformers or None, where the model came from)."""
+    """(Ferry's model, a Hugging Face directory for transformers and vLLM or None, where the model came from)."""
+    hf_backends = sorted(set(backends) & set(HF_BACKENDS))
     if FLAGS.model:
-        if "transformers" in backends and os.path.exists(os.path.join(FLAGS.model, FERRY_CONFIG)):
-            raise app.UsageError("the transformers backend needs a Hugging Face checkpoint, not a Ferry one")
+        if hf_backends and os.path.exists(os.path.join(FLAGS.model, FERRY_CONFIG)):
+            raise app.UsageError(f"the {hf_backends} backends need a Hugging Face checkpoint, not a Ferry one")
         model = load_model(FLAGS.model, FLAGS.dtype)  # a directory, a .gguf file or a packaged name (smollm2)
+        if "vllm" in backends and model.path.endswith(".gguf"):
+            raise app.UsageError("the vllm backend takes a Hugging Face directory for --model, not a .gguf file")
         return model, model.path, model.path
-    if "transformers" in backends:
+    if hf_backends:
         hf_dir = save_random_hf_llama(os.path.join(scratch, "random_llama"))
         return load_model(hf_dir, FLAGS.dtype), hf_dir, "random llama (save_pretrained)"
     return random_model(random_model_config(), jnp.dtype(FLAGS.dtype), FLAGS.seed), None, "random llama (ferry)"
@@ -389,18 +491,26 @@ def engine_config(requests: list[bc.BenchRequest]) -> EngineConfig:
                         memory_fraction=FLAGS.memory_fraction, max_num_seqs=FLAGS.max_num_seqs,
                         max_num_batched_tokens=FLAGS.max_num_batched_tokens, chunk_size=FLAGS.chunk_size,
                         max_model_len=FLAGS.max_model_len or longest,
-                        tensor_parallel_size=FLAGS.tensor_parallel_size, data_parallel_size=FLAGS.data_parallel_size)
+                        tensor_parallel_size=FLAGS.tensor_parallel_size, data_parallel_size=FLAGS.data_parallel_size,
+                        kv_dtype=FLAGS.kv_dtype)
 
 
-def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: EngineConfig):
+def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: EngineConfig,
+                 requests: list[bc.BenchRequest], scratch: str):
     if name == "ferry":
         return FerryBackend(name, model, config, batch_size=None)
     if name == "ferry-nocache":
         return FerryBackend(name, model, dataclasses.replace(config, enable_prefix_caching=False), batch_size=None)
     if name == "ferry-unrolled":
         return FerryBackend(name, model, dataclasses.replace(config, scan_layers=False), batch_size=None)
+    if name == "ferry-kv-bf16":
+        return FerryBackend(name, model, dataclasses.replace(config, kv_dtype="bfloat16"), batch_size=None)
     if name == "ferry-static":
         return FerryBackend(name, model, config, batch_size=FLAGS.static_batch)
+    if name == "vllm":
+        backend = VllmBackend(FLAGS.vllm_python, hf_dir, FLAGS.dtype, config, scratch)
+        backend.requests = requests
+        return backend
     return TransformersBackend(hf_dir, FLAGS.dtype, FLAGS.torch_device, FLAGS.torch_threads or os.cpu_count())
 
 
@@ -426,9 +536,9 @@ def time_backends(backends, requests) -> dict:
 
 
 def time_single_request(backends, vocab_size: int) -> dict:
-    """Ferry and transformers, one request each, interleaved over the repeats; medians."""
+    """Ferry, transformers and vLLM, one request each, interleaved over the repeats; medians."""
     prompt = single_request_prompt(vocab_size)
-    chosen = [b for b in backends if b.name in ("ferry", "transformers")]
+    chosen = [b for b in backends if b.name in SINGLE_BACKENDS]
     raw = {b.name: [] for b in chosen}
     for _ in range(FLAGS.repeats):
         for b in chosen:
@@ -437,9 +547,10 @@ def time_single_request(backends, vocab_size: int) -> dict:
     for name, reps in raw.items():
         keys = [k for k, v in reps[0].items() if v is not None]
         out["backends"][name] = {"repeats": reps, "median": {k: bc.median(r[k] for r in reps) for k in keys}}
-    if "ferry" in raw and "transformers" in raw:
-        ms = {n: out["backends"][n]["median"]["ms_per_token"] for n in ("ferry", "transformers")}
-        out["transformers_over_ferry_ms_per_token"] = bc.ratio(ms["transformers"], ms["ferry"])
+    for peer in ("transformers", "vllm"):
+        if "ferry" in raw and peer in raw:
+            ms = {n: out["backends"][n]["median"]["ms_per_token"] for n in ("ferry", peer)}
+            out[f"{peer}_over_ferry_ms_per_token"] = bc.ratio(ms[peer], ms["ferry"])
     return out
 
 
@@ -488,8 +599,9 @@ def print_report(summary: dict, results: dict, ratios: dict, single: dict | None
         rows = [[name, s["median"]["ttft_ms"], s["median"]["ms_per_token"], s["median"].get("decode_ms_per_token"),
                  s["median"]["e2e_ms"]] for name, s in single["backends"].items()]
         print(bc.format_table(["backend", "first token ms", "ms/token", "decode ms/token", "e2e ms"], rows))
-        if single.get("transformers_over_ferry_ms_per_token"):
-            print(f"  transformers / ferry ms per token: {single['transformers_over_ferry_ms_per_token']:.2f}x")
+        for peer in ("transformers", "vllm"):
+            if single.get(f"{peer}_over_ferry_ms_per_token"):
+                print(f"  {peer} / ferry ms per token: {single[f'{peer}_over_ferry_ms_per_token']:.2f}x")
 
 
 def main(argv):
@@ -498,6 +610,7 @@ def main(argv):
     unknown = set(names) - set(BACKENDS)
     if unknown or len(set(names)) != len(names):
         raise app.UsageError(f"--compare takes distinct names from {BACKENDS}, got {names}")
+    names, skipped = available_backends(names)
     if FLAGS.workload == "multi_turn" and set(names) - {"ferry", "ferry-nocache"}:
         raise app.UsageError("--workload=multi_turn runs only the ferry and ferry-nocache backends")
     if "ferry-static" in names and FLAGS.static_batch > FLAGS.max_num_seqs:
@@ -510,9 +623,16 @@ def main(argv):
         load_s = time.perf_counter() - t0  # Ferry's; transformers' is its backend's load_s
         requests = build_workload(model)
         config = engine_config(requests)
-        backends = [make_backend(n, model, hf_dir, config) for n in names]
-        results = time_backends(backends, requests)
-        single = time_single_request(backends, model.cfg.vocab_size) if FLAGS.single_request else None
+        backends = []
+        try:
+            for n in names:
+                backends.append(make_backend(n, model, hf_dir, config, requests, scratch))
+            results = time_backends(backends, requests)
+            single = time_single_request(backends, model.cfg.vocab_size) if FLAGS.single_request else None
+        finally:
+            for b in backends:
+                if hasattr(b, "close"):  # the vLLM worker process
+                    b.close()
     ratios = throughput_ratios(results, names)
     summary = bc.workload_summary(requests)
     print_report(summary, results, ratios, single)
@@ -520,6 +640,7 @@ def main(argv):
         import jax
         bc.write_json(FLAGS.json_out, {
             "benchmark": "throughput", "config": bc.flag_values(FLAGS), "backends_run": names,
+            "backends_skipped": skipped,
             "environment": {**bc.environment(), "jax_backend": jax.default_backend(),
                             "jax_devices": [str(d) for d in jax.devices()]},
             "model": {"source": source, "config": model.cfg.to_json(), "dtype": str(model.dtype), "load_s": load_s,

@@ -279,11 +279,7 @@ def causal_attention(attn, x, cos, sin):
     cfg = attn.cfg
     b, s, _ = x.shape
     groups = cfg.num_heads // cfg.num_kv_heads
-    q = attn.q_proj(x).reshape(b, s, cfg.num_heads, cfg.head_dim)
-    k = attn.k_proj(x).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
-    v = attn.v_proj(x).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = attn.project(x)  # [B, S, heads, D]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos/sin [S, D] broadcast over the batch
     # Query head h reads KV head h // groups (Hugging Face's repeat_kv order).
     q = q.reshape(b, s, cfg.num_kv_heads, groups, cfg.head_dim)

@@ -10,6 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
+from models.sharding import split_columns
+from models.transformer import FUSED_PROJECTIONS, fused_projection_widths
 from paged_driver import PagedRun, paged_greedy, rel_err  # noqa: F401  (re-exported for the tests)
 
 # The jax-0.11 CI environment (Python 3.12, `make test-jax011`) has no PyTorch: there, every test
@@ -34,6 +36,17 @@ ARCHS = {
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),  # q/k norm, head_dim != hidden / heads
     "gemma": (transformers.GemmaConfig, dict(num_key_value_heads=1, head_dim=32)),  # MQA, GeGLU, (1+w) norm
 }
+
+
+def layer_projection(layer: dict, cfg, module: str, proj: str) -> np.ndarray:
+    """Hugging Face projection `module.proj`'s kernel [in, out] from one layer's params: the model's own
+    (o_proj, down_proj) or its slice of the fused q/k/v or gate/up kernel (FUSED_PROJECTIONS)."""
+    for fused_module, fused, widths in fused_projection_widths(cfg):
+        parts = FUSED_PROJECTIONS[f"{fused_module}.{fused}"]
+        if f"{module}.{proj}" in parts:
+            kernel = layer[fused_module][fused]["kernel"]
+            return np.asarray(split_columns(kernel, widths, 1)[parts.index(f"{module}.{proj}")])
+    return np.asarray(layer[module][proj]["kernel"])
 
 
 def make_hf_model(arch: str, out_dir, seed: int = 0, dtype=torch.float32, **overrides):

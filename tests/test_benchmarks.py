@@ -1,5 +1,5 @@
 """Smoke tests of the benchmark scripts at a tiny size: benchmark_throughput (ferry, ferry-static and
-transformers on one random checkpoint), benchmark_serving against a fake streaming OpenAI server run
+transformers on one random checkpoint; vllm asked for but skipped, as without a vLLM venv), benchmark_serving against a fake streaming OpenAI server run
 here, and plot_benchmarks on both results."""
 
 import json
@@ -18,7 +18,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
            FERRY_COMPILATION_CACHE="0")
 TINY_THROUGHPUT = dict(layers=1, hidden=64, heads=4, kv_heads=2, vocab=256, intermediate=128, num_prompts=6,
-                       prompt_len_range="4,16", output_len_range="4,16", compare="ferry,ferry-static,transformers",
+                       prompt_len_range="4,16", output_len_range="4,16", compare="ferry,ferry-static,transformers,vllm",
                        repeats=2, static_batch=4, max_num_seqs=4, max_num_batched_tokens=64, single_prompt_len=8,
                        single_output_len=8, torch_threads=1)
 SERVING_LEVELS = [1, 4]
@@ -125,6 +125,7 @@ def test_throughput_json(results):
     assert workload["num_requests"] == 6
     assert 4 <= workload["prompt_len"]["min"] <= workload["prompt_len"]["max"] <= 16
     assert set(result["results"]) == set(BACKENDS)
+    assert result["backends_skipped"] == {"vllm": "no --vllm_python"}  # no vLLM venv given: skipped, not failed
     for name in BACKENDS:
         r = result["results"][name]
         assert r["warmup_s"] > 0 and len(r["repeats"]) == 2 and r["all_outputs_complete"], name

@@ -18,7 +18,8 @@ from engine import cli_flags
 from engine.engine import LLM
 from engine.sampling_params import SamplingParams
 from gguf_files import byte_level_vocab, permute_rows, sentencepiece_vocab, write_gguf
-from hf_models import check_greedy_match, hf_greedy, hf_logits, make_hf_model, paged_greedy, rel_err
+from hf_models import (check_greedy_match, hf_greedy, hf_logits, layer_projection, make_hf_model, paged_greedy,
+                       rel_err)
 from models import packaged
 from models.config import ConfigError
 from models.gguf import unpermute_rows
@@ -105,8 +106,9 @@ def test_config_and_weights_are_the_files(case):
     params = loaded.params()
     ref = dict(case.ref.named_parameters())
     src = dict(case.source.named_parameters())
+    layer = jax.tree.map(lambda stacked: stacked[1], params["layers"])  # layer 1 of the stack
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        ours = np.asarray(params["layers"]["self_attn"][proj]["kernel"][1]).T  # stacked [layer, ...]
+        ours = layer_projection(layer, cfg, "self_attn", proj).T
         theirs = ref[f"model.layers.1.self_attn.{proj}.weight"].detach().numpy()
         assert np.array_equal(ours, theirs), f"{case.name} (seed {case.seed}): {proj} differs from transformers'"
         # Against the weights the file was written from: only the quantization error is left, so a wrong
@@ -177,7 +179,7 @@ def test_k_quants_match_transformers(tmp_path):
     ref_layer = ref.model.layers[0]
     for module, proj in (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                          ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj")):
-        ours = np.asarray(layer[module][proj]["kernel"]).T
+        ours = layer_projection(layer, loaded.cfg, module, proj).T
         assert np.isfinite(ours).all() and np.abs(ours).max() > 0
         assert np.array_equal(ours, getattr(getattr(ref_layer, module), proj).weight.detach().numpy()), proj
     prompt = np.random.default_rng(seed).integers(0, 256, size=12).tolist()

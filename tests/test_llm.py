@@ -45,7 +45,7 @@ def test_unrolled_layers_match_transformers_and_the_scan(arch, tmp_path):
     unrolled = LLM(str(tmp_path), EngineConfig(**CONFIG, scan_layers=False))
     scanned = LLM(str(tmp_path), EngineConfig(**CONFIG))
     layers = unrolled.engine.model.params()["layers"]
-    assert sorted(layers) == [0, 1] and layers[1]["mlp"]["up_proj"]["kernel"].shape == (64, 128)
+    assert sorted(layers) == [0, 1] and layers[1]["mlp"]["gate_up_proj"]["kernel"].shape == (64, 256)
     outs = [llm.generate(prompts, params, use_tqdm=False) for llm in (unrolled, scanned)]
     for prompt, a, b in zip(prompts, *outs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -28,7 +28,7 @@ from attention_cases import (  # noqa: F401  (seed is a fixture)
 )
 from pallas_kernels import native
 from pallas_kernels.native import paged_decode_attention_native, paged_prefill_attention_native
-from pallas_kernels.reference import paged_decode_attention_ref
+from pallas_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
 
 @pytest.fixture(autouse=True)
@@ -117,6 +117,44 @@ def test_decode_small_batch_splits_heads(seed):
         check_close(out, ref, jnp.float32, seed, f"decode batch {len(ctx)}")
 
 
+def test_float32_queries_over_bfloat16_pages(seed):
+    """A bf16 KV cache under a float32 model: float32 q and output over bf16 pages, decode and prefill,
+    against the reference on the same pages (float32 accumulation, so float32 tolerance)."""
+    rng = np.random.default_rng(seed)
+    bf16 = lambda x: x.astype(jnp.bfloat16)  # noqa: E731 (NaN in unowned slots stays NaN)
+    q, k, v, tables, lens = decode_inputs(rng, [0, 1, 17, 300], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                                          block_size=16, dtype=jnp.float32)
+    ref = paged_decode_attention_ref(q, bf16(k), bf16(v), tables, lens, scale=0.125, soft_cap=30.0)
+    out = run_poisoned(paged_decode_attention_native, q, bf16(k), bf16(v), tables, lens, scale=0.125,
+                       soft_cap=30.0)
+    check_close(out, ref, jnp.float32, seed, "decode f32 q, bf16 pages")
+    assert_zero_rows(out, 0, "context-0 row", seed)
+    bf16_pages = lambda fn: lambda q, k, v, *a, **kw: fn(q, bf16(k), bf16(v), *a, **kw)  # noqa: E731
+    prefixes, chunks = zip(*native_prefill_batch(16))
+    check_prefill(seed, rng, prefixes, chunks, bf16_pages(POISONED_PREFILL),
+                  reference=bf16_pages(paged_prefill_attention_ref), num_padding=3, num_q_heads=8,
+                  num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.float32, scale=0.125, soft_cap=None,
+                  what="prefill f32 q, bf16 pages")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kv_write_matches_scatter_in_place(seed, dtype):
+    """kv_write sets exactly the addressed rows (out-of-range slots dropped) like `.at[].set(mode="drop")`,
+    into the donated pages' own buffer."""
+    rng = np.random.default_rng(seed)
+    nb, bs, h, d, t = 6, 4, 2, 8, 7
+    pages = jnp.asarray(rng.standard_normal((nb, bs, h, d)), dtype)
+    updates = jnp.asarray(rng.standard_normal((t, h, d)), jnp.float32)  # cast to the pages' dtype
+    slots = rng.choice(nb * bs, size=t, replace=False).astype(np.int32)
+    slots[-1] = nb * bs + 3  # past the end: dropped
+    flat = pages.reshape(nb * bs, h, d)
+    want = flat.at[slots].set(updates.astype(dtype), mode="drop").reshape(pages.shape)
+    address = pages.unsafe_buffer_pointer()
+    got = jax.jit(native.kv_write, donate_argnums=0)(pages, updates, slots)
+    assert got.unsafe_buffer_pointer() == address, "kv_write copied the pages"
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=f"seed={seed}")
+
+
 # ----------------------------------------------------------------------------- prefill
 
 # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap): test_kernels.py's, and
@@ -169,16 +207,19 @@ def test_prefill_of_one_token_chunks_is_decode(seed):
 
 
 def test_rejects_unsupported_dtypes():
-    q = jnp.zeros((1, 2, 64), jnp.float32)
-    pages = jnp.zeros((2, 8, 1, 64), jnp.bfloat16)
+    q = jnp.zeros((1, 2, 64), jnp.bfloat16)
+    pages = jnp.zeros((2, 8, 1, 64), jnp.float32)
     tables, lens = jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
-    with pytest.raises(ValueError, match="one"):
+    with pytest.raises(ValueError, match="bfloat16 pages under float32 q"):  # bf16 q over f32 pages
         paged_decode_attention_native(q, pages, pages, tables, lens, scale=1.0)
     with pytest.raises(ValueError):
         paged_decode_attention_native(q.astype(jnp.float16), pages.astype(jnp.float16),
                                       pages.astype(jnp.float16), tables, lens, scale=1.0)
-    assert native.supports(jnp.bfloat16, jnp.bfloat16) and not native.supports(jnp.float32,
-                                                                                jnp.bfloat16)
+    with pytest.raises(ValueError):  # k and v of different dtypes
+        paged_decode_attention_native(q.astype(jnp.float32), pages, pages.astype(jnp.bfloat16), tables, lens,
+                                      scale=1.0)
+    assert native.supports(jnp.bfloat16, jnp.bfloat16) and native.supports(jnp.float32, jnp.bfloat16)
+    assert not native.supports(jnp.bfloat16, jnp.float32) and not native.supports(jnp.float16, jnp.float16)
 
 
 @pytest.mark.skipif(not os.environ.get("CI"), reason="only CI installs fresh (a developer may "

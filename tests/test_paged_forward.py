@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -22,18 +23,20 @@ def _step(model, cache, seqs, layout):
     return model_step(model.graphdef, model.state, cache, pack(seqs, layout, BLOCK), layout)
 
 
-def test_cache_update_reuses_the_donated_buffer():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cache_update_reuses_the_donated_buffer(dtype):
     """The stacked [L, ...] cache is donated and written in place: same buffers out, and the compiled
-    step (a scan over layers) holds no copy of it."""
+    step (a scan over layers) holds no copy or conversion of it (a bf16 cache too: XLA CPU's own
+    16-bit scatter widened the whole pool, models/paged.write_kv)."""
     model = random_model(CFG)
-    cache = init_kv_cache(CFG.num_layers, 16, BLOCK, CFG.num_kv_heads, CFG.head_dim, np.float32)
+    cache = init_kv_cache(CFG.num_layers, 16, BLOCK, CFG.num_kv_heads, CFG.head_dim, dtype)
     pointers = [pages.unsafe_buffer_pointer() for pages in cache]
     layout = StepLayout(16, 2, 4, 2, decode=False)
     seqs = [SeqSlice([5, 6, 7], 0, [3, 9])]
     hlo = model_step.lower(model.graphdef, model.state, cache, pack(seqs, layout, BLOCK), layout).compile().as_text()
-    cache_shape = "f32[" + ",".join(map(str, cache[0].shape)) + "]"
-    pool_shape = f"f32[{CFG.num_layers * 16},"  # the layers' pages as one pool inside the scan
-    copies = [line for line in hlo.splitlines() if " copy(" in line or "copy-start" in line]
+    cache_shape = "[" + ",".join(map(str, cache[0].shape)) + "]"
+    pool_shape = f"[{CFG.num_layers * 16},"  # the layers' pages as one pool inside the scan
+    copies = [line for line in hlo.splitlines() if " copy(" in line or "copy-start" in line or " convert(" in line]
     assert not [c for c in copies if cache_shape in c or pool_shape in c], copies
     assert "while" in hlo, "the layers should run as one loop"
     _, new_cache = _step(model, cache, seqs, layout)
@@ -72,4 +75,20 @@ def test_model_forward_with_kernels_matches_reference_path(impl):
     got = paged_greedy(model, prompts, 4, block_size=BLOCK, attention_impl=impl)
     for a, b in zip(got.prompt_logits + got.step_logits, ref.prompt_logits + ref.step_logits):
         assert rel_err(a, b) < 1e-5
+    assert got.tokens == ref.tokens
+
+
+def test_float32_model_over_bfloat16_cache():
+    """A bf16 KV cache under a float32 model: the default CPU impl (the native kernel, f32 queries over
+    bf16 pages) gives the reference path's float32 logits on the same bf16 cache."""
+    from pallas_kernels.attention import default_impl  # noqa: PLC0415
+
+    assert default_impl("cpu", np.float32, jnp.bfloat16) == "native"
+    rng = np.random.default_rng()
+    model = random_model(CFG, seed=int(rng.integers(1 << 30)))
+    prompts = [rng.integers(0, 128, n).tolist() for n in (3, 14)]
+    ref = paged_greedy(model, prompts, 4, block_size=BLOCK, attention_impl="reference", kv_dtype=jnp.bfloat16)
+    got = paged_greedy(model, prompts, 4, block_size=BLOCK, kv_dtype=jnp.bfloat16)
+    for a, b in zip(got.prompt_logits + got.step_logits, ref.prompt_logits + ref.step_logits):
+        assert a.dtype == np.float32 and rel_err(a, b) < 1e-5
     assert got.tokens == ref.tokens

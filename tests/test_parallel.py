@@ -259,3 +259,21 @@ def test_data_parallel_routing_stats_and_metrics():
         finished |= {o.request_id for o in engine.step() if o.finished}
     assert finished == set(ids) and engine.num_requests == 0
     assert engine.stats()["num_running"] == 0
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_fused_columns_hand_each_shard_its_own_parts(groups):
+    """A fused q/k/v kernel laid out for `groups` shards: shard s's contiguous column slice is exactly
+    q, k and v's own s-th slices (its heads), and split_columns inverts fuse_columns."""
+    from models.sharding import fuse_columns, split_columns  # noqa: PLC0415
+
+    rng = np.random.default_rng()
+    widths = (32, 16, 16)
+    parts = [rng.standard_normal((3, 8, w)).astype(np.float32) for w in widths]  # [layers, hidden, out]
+    fused = np.asarray(fuse_columns(parts, groups))
+    per_shard = sum(widths) // groups
+    for s in range(groups):
+        want = np.concatenate([p[..., s * w // groups:(s + 1) * w // groups] for p, w in zip(parts, widths)], -1)
+        np.testing.assert_array_equal(fused[..., s * per_shard:(s + 1) * per_shard], want)
+    for got, part in zip(split_columns(fused, widths, groups), parts):
+        np.testing.assert_array_equal(np.asarray(got), part)

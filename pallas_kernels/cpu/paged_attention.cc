@@ -4,12 +4,17 @@
 //                               context_lens [S] i32                      -> out [S, Hq, D]
 //   FerryPagedPrefillAttention  q [T, Hq, D], k/v pages, block_tables, context_lens,
 //                               query_start_loc [S + 1] i32               -> out [T, Hq, D]
+//   FerryKvWrite                pages [NB, BS, Hkv, D], new [T, Hkv, D] (pages' dtype),
+//                               slot_mapping [T] i32  -> pages with row slot_mapping[t] = new[t]
+//                               (aliased in place; slots outside [0, NB * BS) are dropped)
 //
 // Attributes: scale (f32) and soft_cap (f32; 0 = no cap). Semantics are those of
 // pallas_kernels/reference.py: a query's absolute position is context_len - query_len + its index
 // in the chunk, it attends to keys at positions <= its own (and < W * BS), rows that attend to
 // nothing come out as zeros, softmax runs in float32 and the output has q's dtype. float32 and
-// bfloat16 are supported (q, pages and output share the dtype; accumulation is float32).
+// bfloat16 are supported: q, pages and output of one dtype, or float32 q and output over bfloat16
+// pages (a bf16 KV cache under a float32 model: half the cache bytes, no cast of the cache).
+// Accumulation is float32.
 //
 // K/V are read through the block table in place (no gather copy) and only the pages a query row
 // can see are touched, so garbage in unused page slots or unused table entries is never read.
@@ -267,12 +272,13 @@ Scratch& ThreadScratch() {
   return scratch;
 }
 
-template <typename T>
+// TQ: the element type of q and out; TKV: of the k/v pages (float or uint16_t = bfloat16).
+template <typename TQ, typename TKV>
 struct Problem {
-  const T* q;
-  const T* k;
-  const T* v;
-  T* out;
+  const TQ* q;
+  const TKV* k;
+  const TKV* v;
+  TQ* out;
   const int32_t* tables;
   Geometry g;
   float scale;
@@ -315,8 +321,8 @@ FERRY_INLINE void Prefetch(const T* rows, int64_t n, int64_t row_stride, int64_t
   }
 }
 
-template <typename T, int64_t kD>
-FERRY_INLINE void AttendTileImpl(const Problem<T>& p, const Tile& tile, Scratch& sc) {
+template <typename TQ, typename TKV, int64_t kD>
+FERRY_INLINE void AttendTileImpl(const Problem<TQ, TKV>& p, const Tile& tile, Scratch& sc) {
   const Geometry& g = p.g;
   const int64_t G = g.group, D = kD ? kD : g.head_dim, BS = g.block_size;
   const int64_t NH = tile.nheads;
@@ -339,7 +345,7 @@ FERRY_INLINE void AttendTileImpl(const Problem<T>& p, const Tile& tile, Scratch&
   }
   // The tile's query heads of one row are contiguous in q: (head0 * G ... (head0 + NH) * G).
   for (int64_t r = 0; r < tile.nrows; ++r) {
-    const T* src = p.q + (tile.row0 + r) * q_row_stride + tile.head0 * G * D;
+    const TQ* src = p.q + (tile.row0 + r) * q_row_stride + tile.head0 * G * D;
     float* dst = qf + r * NH * G * D;
     for (int64_t i = 0; i < NH * G * D; ++i) dst[i] = ToF32(src[i]) * p.scale;
   }
@@ -400,7 +406,7 @@ FERRY_INLINE void AttendTileImpl(const Problem<T>& p, const Tile& tile, Scratch&
   }
 
   for (int64_t r = 0; r < tile.nrows; ++r) {
-    T* dst = p.out + (tile.row0 + r) * q_row_stride + tile.head0 * G * D;
+    TQ* dst = p.out + (tile.row0 + r) * q_row_stride + tile.head0 * G * D;
     for (int64_t v = 0; v < NH * G; ++v) {
       const int64_t mi = r * NH * G + v;
       const float inv = l[mi] > 0.0f ? 1.0f / l[mi] : 0.0f;
@@ -410,30 +416,37 @@ FERRY_INLINE void AttendTileImpl(const Problem<T>& p, const Tile& tile, Scratch&
   }
 }
 
-template <typename T>
-FERRY_INLINE void AttendTileAnyD(const Problem<T>& p, const Tile& tile, Scratch& sc) {
+template <typename TQ, typename TKV>
+FERRY_INLINE void AttendTileAnyD(const Problem<TQ, TKV>& p, const Tile& tile, Scratch& sc) {
   switch (p.g.head_dim) {  // common head dims get fully unrolled loops
-    case 32: return AttendTileImpl<T, 32>(p, tile, sc);
-    case 64: return AttendTileImpl<T, 64>(p, tile, sc);
-    case 128: return AttendTileImpl<T, 128>(p, tile, sc);
-    case 256: return AttendTileImpl<T, 256>(p, tile, sc);
-    default: return AttendTileImpl<T, 0>(p, tile, sc);
+    case 32: return AttendTileImpl<TQ, TKV, 32>(p, tile, sc);
+    case 64: return AttendTileImpl<TQ, TKV, 64>(p, tile, sc);
+    case 128: return AttendTileImpl<TQ, TKV, 128>(p, tile, sc);
+    case 256: return AttendTileImpl<TQ, TKV, 256>(p, tile, sc);
+    default: return AttendTileImpl<TQ, TKV, 0>(p, tile, sc);
   }
 }
 
-FERRY_CLONES void AttendTileF32(const Problem<float>& p, const Tile& tile, Scratch& sc) {
+FERRY_CLONES void AttendTileF32(const Problem<float, float>& p, const Tile& tile, Scratch& sc) {
   AttendTileAnyD(p, tile, sc);
 }
 
-FERRY_CLONES void AttendTileBf16(const Problem<uint16_t>& p, const Tile& tile, Scratch& sc) {
+FERRY_CLONES void AttendTileBf16(const Problem<uint16_t, uint16_t>& p, const Tile& tile, Scratch& sc) {
   AttendTileAnyD(p, tile, sc);
 }
 
-FERRY_INLINE void AttendTile(const Problem<float>& p, const Tile& t, Scratch& sc) {
+FERRY_CLONES void AttendTileF32Bf16(const Problem<float, uint16_t>& p, const Tile& tile, Scratch& sc) {
+  AttendTileAnyD(p, tile, sc);
+}
+
+FERRY_INLINE void AttendTile(const Problem<float, float>& p, const Tile& t, Scratch& sc) {
   AttendTileF32(p, t, sc);
 }
-FERRY_INLINE void AttendTile(const Problem<uint16_t>& p, const Tile& t, Scratch& sc) {
+FERRY_INLINE void AttendTile(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc) {
   AttendTileBf16(p, t, sc);
+}
+FERRY_INLINE void AttendTile(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc) {
+  AttendTileF32Bf16(p, t, sc);
 }
 
 
@@ -480,9 +493,9 @@ void ParallelFor(ffi::ThreadPool* pool, int64_t count, int64_t helpers, const vo
   while (st->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
 }
 
-template <typename T>
+template <typename P>
 struct TileWork {
-  const Problem<T>* problem;
+  const P* problem;
   const std::vector<Tile>* tiles;
   static void Run(const void* self, int64_t i) {
     const auto* w = static_cast<const TileWork*>(self);
@@ -490,8 +503,8 @@ struct TileWork {
   }
 };
 
-template <typename T>
-void RunTiles(ffi::ThreadPool& pool, const Problem<T>& problem, const std::vector<Tile>& tiles) {
+template <typename P>
+void RunTiles(ffi::ThreadPool& pool, const P& problem, const std::vector<Tile>& tiles) {
   if (tiles.empty()) return;
   int64_t threads = pool.num_threads();
   const int env = MaxThreadsFromEnv();
@@ -502,8 +515,8 @@ void RunTiles(ffi::ThreadPool& pool, const Problem<T>& problem, const std::vecto
     work += t.nrows * t.nheads * std::max<int64_t>(t.first_pos + t.nrows, 1);
   work *= problem.g.group * problem.g.head_dim;
   if (work < (int64_t{1} << 20)) threads = 1;
-  TileWork<T> w{&problem, &tiles};
-  ParallelFor(&pool, static_cast<int64_t>(tiles.size()), threads - 1, &w, &TileWork<T>::Run);
+  TileWork<P> w{&problem, &tiles};
+  ParallelFor(&pool, static_cast<int64_t>(tiles.size()), threads - 1, &w, &TileWork<P>::Run);
 }
 
 // ----------------------------------------------------------------------------- validation
@@ -511,11 +524,14 @@ void RunTiles(ffi::ThreadPool& pool, const Problem<T>& problem, const std::vecto
 ffi::Error CheckCommon(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
                        ffi::AnyBuffer out, Geometry* g) {
-  const auto dt = q.element_type();
+  const auto dt = q.element_type(), kv = k.element_type();
   if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("ferry paged attention: q must be float32 or bfloat16");
-  if (k.element_type() != dt || v.element_type() != dt || out.element_type() != dt)
-    return ffi::Error::InvalidArgument("ferry paged attention: q, k/v pages and out must share a dtype");
+  if (v.element_type() != kv || out.element_type() != dt ||
+      !(kv == dt || (dt == ffi::DataType::F32 && kv == ffi::DataType::BF16)))
+    return ffi::Error::InvalidArgument(
+        "ferry paged attention: q and out share a dtype, and k/v pages have it too or are bfloat16 "
+        "under float32 q");
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = out.dimensions();
   auto td = tables.dimensions(), ld = lens.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || od.size() != 3 || td.size() != 2 ||
@@ -549,15 +565,15 @@ ffi::Error CheckCommon(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   return ffi::Error::Success();
 }
 
-template <typename T>
-Problem<T> MakeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g,
-                       float scale, float soft_cap) {
-  Problem<T> p;
-  p.q = static_cast<const T*>(q.untyped_data());
-  p.k = static_cast<const T*>(k.untyped_data());
-  p.v = static_cast<const T*>(v.untyped_data());
-  p.out = static_cast<T*>(out.untyped_data());
+template <typename TQ, typename TKV>
+Problem<TQ, TKV> MakeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                             ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g,
+                             float scale, float soft_cap) {
+  Problem<TQ, TKV> p;
+  p.q = static_cast<const TQ*>(q.untyped_data());
+  p.k = static_cast<const TKV*>(k.untyped_data());
+  p.v = static_cast<const TKV*>(v.untyped_data());
+  p.out = static_cast<TQ*>(out.untyped_data());
   p.tables = tables.typed_data();
   p.g = g;
   p.scale = scale;
@@ -568,6 +584,21 @@ Problem<T> MakeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 template <typename T>
 void ZeroRows(T* out, int64_t row0, int64_t nrows, int64_t row_elems) {
   std::memset(out + row0 * row_elems, 0, sizeof(T) * nrows * row_elems);
+}
+
+// The tiles over the dtype pair CheckCommon accepted.
+void RunAnyDtype(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                 ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g, float scale,
+                 float soft_cap, const std::vector<Tile>& tiles) {
+  const bool q_f32 = q.element_type() == ffi::DataType::F32;
+  const bool kv_f32 = k.element_type() == ffi::DataType::F32;
+  if (q_f32 && kv_f32) {
+    RunTiles(pool, MakeProblem<float, float>(q, k, v, tables, out, g, scale, soft_cap), tiles);
+  } else if (q_f32) {
+    RunTiles(pool, MakeProblem<float, uint16_t>(q, k, v, tables, out, g, scale, soft_cap), tiles);
+  } else {
+    RunTiles(pool, MakeProblem<uint16_t, uint16_t>(q, k, v, tables, out, g, scale, soft_cap), tiles);
+  }
 }
 
 // ----------------------------------------------------------------------------- decode
@@ -593,11 +624,7 @@ ffi::Error DecodeBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
     for (int64_t h = 0; h < g.num_kv_heads; h += heads_per_tile)
       tiles.push_back(Tile{s, 1, static_cast<int64_t>(ctx[s]) - 1, s, h,
                            std::min(heads_per_tile, g.num_kv_heads - h)});
-  if (q.element_type() == ffi::DataType::F32) {
-    RunTiles(pool, MakeProblem<float>(q, k, v, tables, *out, g, scale, soft_cap), tiles);
-  } else {
-    RunTiles(pool, MakeProblem<uint16_t>(q, k, v, tables, *out, g, scale, soft_cap), tiles);
-  }
+  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, tiles);
   return ffi::Error::Success();
 }
 
@@ -645,11 +672,7 @@ ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
     return a.first_pos + a.nrows > b.first_pos + b.nrows;
   });
-  if (f32) {
-    RunTiles(pool, MakeProblem<float>(q, k, v, tables, *out, g, scale, soft_cap), tiles);
-  } else {
-    RunTiles(pool, MakeProblem<uint16_t>(q, k, v, tables, *out, g, scale, soft_cap), tiles);
-  }
+  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, tiles);
   return ffi::Error::Success();
 }
 
@@ -663,6 +686,32 @@ ffi::Error Guarded(F&& body) {
   } catch (...) {
     return ffi::Error::Internal("ferry paged attention: unknown C++ exception");
   }
+}
+
+// ----------------------------------------------------------------------------- KV write
+
+// XLA CPU widens a scatter into a bfloat16/float16 array to float32 over the whole operand (a
+// convert and a copy of every page, per layer, per step); this writes only the T rows, in place.
+ffi::Error KvWriteImpl(ffi::AnyBuffer pages, ffi::AnyBuffer updates, ffi::Buffer<ffi::S32> slots,
+                       ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pages.dimensions(), ud = updates.dimensions();
+  if (pages.element_type() != updates.element_type() || out->element_type() != pages.element_type())
+    return ffi::Error::InvalidArgument("ferry kv write: pages, updates and out must share a dtype");
+  if (pd.size() != 4 || ud.size() != 3 || slots.dimensions().size() != 1 || ud[1] != pd[2] ||
+      ud[2] != pd[3] || slots.dimensions()[0] != ud[0])
+    return ffi::Error::InvalidArgument(
+        "ferry kv write: expected pages [NB,BS,H,D], updates [T,H,D], slot_mapping [T]");
+  const int64_t row_bytes = static_cast<int64_t>(pages.size_bytes() / (pd[0] * pd[1]));
+  const int64_t num_slots = pd[0] * pd[1];
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != pages.untyped_data())  // not aliased after all: start from the pages
+    std::memcpy(dst, pages.untyped_data(), pages.size_bytes());
+  const char* src = static_cast<const char*>(updates.untyped_data());
+  const int32_t* slot = slots.typed_data();
+  for (int64_t t = 0; t < ud[0]; ++t)
+    if (slot[t] >= 0 && slot[t] < num_slots)
+      std::memcpy(dst + slot[t] * row_bytes, src + t * row_bytes, row_bytes);
+  return ffi::Error::Success();
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -713,6 +762,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryPagedPrefillAttention, PrefillImpl,
 
 #undef FERRY_PAGED_ATTENTION_BINDING
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryKvWrite, KvWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // pages
+                                  .Arg<ffi::AnyBuffer>()         // updates
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
+                                  .Ret<ffi::AnyBuffer>());       // pages, aliased
+
 // Let the loader (pallas_kernels/native.py) check that the library matches the Python side and
 // was built from this very source (the build passes -DFERRY_SOURCE_HASH=<sha256 prefix>).
 // The jaxlib whose FFI headers it was compiled against goes in too: XLA takes handlers built with
@@ -723,7 +779,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryPagedPrefillAttention, PrefillImpl,
 #ifndef FERRY_JAXLIB_VERSION
 #define FERRY_JAXLIB_VERSION "unknown"
 #endif
-extern "C" int FerryPagedAttentionAbiVersion() { return 1; }
+extern "C" int FerryPagedAttentionAbiVersion() { return 2; }
 extern "C" const char* FerryPagedAttentionSourceHash() { return FERRY_SOURCE_HASH; }
 extern "C" const char* FerryPagedAttentionJaxlibVersion() { return FERRY_JAXLIB_VERSION; }
 
