@@ -1,8 +1,9 @@
 """LLMEngine (step-driven, streaming deltas) and LLM (offline batch generation).
 
 Each `LLMEngine.step()` asks the scheduler for a plan (reap, budget, admit, preempt, decode), has the
-runner execute it on the device, feeds the sampled tokens back to the scheduler, detokenizes them
-incrementally (stop strings included) and returns per-request deltas.
+runner execute it on the device and feeds the sampled tokens back to the scheduler (`step_core`); the
+output side (engine/output_processor.py) then detokenizes them, matches stop strings and returns
+per-request deltas (`process_outputs`, on the server's own thread).
 """
 
 import dataclasses
@@ -457,7 +458,7 @@ class LLMEngine:
         if len(units) == 1:
             (prefill, decode), = units
             request = (prefill[0].request if prefill else decode[0])
-            failed.setdefault(request.request_id.rpartition("#")[0], error)
+            failed.setdefault(request.group_id, error)
             return
         half = len(units) // 2
         self._run_isolating(units[:half], None, out, failed)

@@ -93,7 +93,7 @@ class KVCacheManager:
 
     def next_position_needs_block(self, request: Request) -> bool:
         """needs_decode_slot for a request known to be decoding (the scheduler's per-step hot path)."""
-        return -(-request.num_tokens // self.block_size) > len(request.block_ids) + len(request.host_block_ids)
+        return self.blocks_for(request.num_tokens) > self.num_blocks(request)
 
     # -------------------------------------------------------------- admission
 
