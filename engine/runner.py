@@ -12,14 +12,17 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import math
 import os
+import pathlib
 import threading
 import time
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from tqdm import tqdm
 
@@ -107,6 +110,25 @@ class Buckets:
                  for tokens in self.prefill_tokens])
 
 
+@functools.cache
+def ferry_source_hash() -> str:
+    """A hash of the code that shapes the compiled programs (engine/, models/, pallas_kernels/: Python and C++)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for package in ("engine", "models", "pallas_kernels"):
+        for path in sorted((root / package).rglob("*")):
+            if path.suffix in (".py", ".cc"):
+                digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def warm_records_dir() -> pathlib.Path | None:
+    """Where warm-up records go (ModelRunner._warm_record): inside JAX's persistent compilation cache, so
+    emptying the cache empties them too. None while the cache is off."""
+    cache_dir = jax.config.jax_compilation_cache_dir
+    return pathlib.Path(cache_dir) / "ferry-warm" if cache_dir else None
+
+
 # ------------------------------------------------------------------ swap copies
 
 @jax.jit
@@ -150,7 +172,8 @@ class ModelRunner:
         self.host_sharding = host_memory_sharding(self.mesh)
         self.swapped: dict[tuple[int, ...], list] = {}  # host block ids -> the blocks' contents in host memory
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
-        self._background: threading.Thread | None = None  # warm-up's full-sampler compiles, if any
+        self._background: threading.Thread | None = None  # warm-up's background compiles, if any
+        self.warmup_split = (0, 0)  # the last warm-up's step programs: (compiled before it returned, left to the thread)
         self._stop_background = threading.Event()
         # Multi-host (engine/multihost.py): publish(op, args) tells the other processes to make the same
         # device call, `getattr(runner, op)(*args)`, so all enter the same programs in the same order.
@@ -339,16 +362,21 @@ class ModelRunner:
     def _warmup(self, sampling: bool, background: bool) -> float:
         """Compile every step layout for the greedy sampler and, if `sampling`, for the full one too,
         and every swap size. With `background` the full sampler's programs compile on a thread after
-        this returns (`wait_for_warmup` joins it; a sampled request that comes first compiles its own).
+        this returns (`wait_for_warmup` joins it; a sampled request that comes first compiles its own),
+        and so do the greedy ones when the persistent cache is known to hold them (`_warm_record`): loading
+        a program costs its trace, ~0.1-0.3 s, so a warm start serves at once and a request that comes
+        first loads its own program.
 
         Ahead of time (lower + compile: nothing runs and the cache is not touched), on one thread per
         core: tracing holds the GIL, XLA's compile does not. Returns the seconds it took."""
         t0 = time.perf_counter()
         layouts = self.buckets.step_layouts()
-        now = [(layout, "greedy") for layout in layouts]
-        later = [(layout, "full") for layout in layouts] if sampling else []
-        if not background:
-            now, later = now + later, []
+        groups = [[(layout, mode) for layout in layouts] for mode in (("greedy", "full") if sampling else ("greedy",))]
+        groups = [(programs, self._warm_record(programs)) for programs in groups]
+        now, later = (groups[:1], groups[1:]) if background else (groups, [])
+        greedy_record = groups[0][1]
+        if background and greedy_record is not None and greedy_record.exists():
+            now, later = [], groups
         # Shapes only: the background thread must not touch the cache, which steps donate meanwhile.
         cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_cache)
         self._compile_steps(now, cache, threads=os.cpu_count() or 1, progress=True)
@@ -363,10 +391,12 @@ class ModelRunner:
             self._background.start()
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
         elapsed = time.perf_counter() - t0
-        log.info("warm-up: %d step programs (%d layouts x %s) and %d swap sizes in %.1f s%s", len(now), len(layouts),
-                 "greedy + full sampler" if sampling and not background else "greedy sampler",
-                 len(self.buckets.swap_blocks), elapsed,
-                 f"; {len(later)} full-sampler programs compiling in the background" if later else "")
+        count = lambda gs: sum(len(programs) for programs, _ in gs)  # noqa: E731
+        self.warmup_split = (count(now), count(later))
+        log.info("warm-up: %d step programs (%d layouts x %d samplers) and %d swap sizes in %.1f s%s", count(now),
+                 len(layouts), len(now), len(self.buckets.swap_blocks), elapsed,
+                 f"; {count(later)} programs compiling in the background" + (
+                     "" if now else ", where an earlier start left them all in the persistent cache") if later else "")
         return elapsed
 
     def wait_for_warmup(self):
@@ -381,9 +411,24 @@ class ModelRunner:
         self._stop_background.set()
         self.wait_for_warmup()
 
-    def _compile_steps(self, programs, cache, threads: int, progress: bool):
-        """Compile sample_step for each (layout, sampler mode) against `cache` (ShapeDtypeStructs),
-        on `threads` threads."""
+    def _warm_record(self, programs) -> pathlib.Path | None:
+        """A file in JAX's persistent compilation cache that a finished compile of exactly `programs`
+        (layout, sampler) leaves there, so the next start knows they load from it; None when the cache is
+        off. A stale one (the cache emptied by hand) only costs compiles after serving starts. Its name hashes everything the compiled programs depend on: jax and jaxlib, Ferry's source, the
+        model's config and parameter shapes, the cache's, the attention kernel, the devices, XLA_FLAGS."""
+        records = warm_records_dir()
+        if records is None:
+            return None
+        arrays = lambda tree: [(jax.tree_util.keystr(path), a.shape, str(a.dtype), str(a.sharding))  # noqa: E731
+                               for path, a in jax.tree_util.tree_leaves_with_path(tree)]
+        key = repr((jax.__version__, jaxlib.__version__, ferry_source_hash(), self.model.cfg, arrays(self.model.state),
+                    arrays(self.kv_cache), programs, self.attention_impl, self.block_size,
+                    [(d.platform, d.device_kind) for d in self.mesh.devices.flat], os.environ.get("XLA_FLAGS")))
+        return records / hashlib.sha256(key.encode()).hexdigest()
+
+    def _compile_steps(self, groups, cache, threads: int, progress: bool):
+        """Compile sample_step for each (layout, sampler mode) of each group (programs, warm record or None)
+        against `cache` (ShapeDtypeStructs), on `threads` threads; a group's record is left once it is done."""
         m = self.model
 
         def compile_one(program):
@@ -395,19 +440,23 @@ class ModelRunner:
                 sample_step.lower(m.graphdef, m.state, cache, buf, sampling_md, layout, mode,
                                   self.attention_impl).compile()
 
-        if threads == 1:  # the background warm-up: stops early when asked (stop_background_warmup)
-            for i, program in enumerate(programs):
-                if self._stop_background.is_set():
-                    log.info("warm-up: background compilation stopped, %d programs left to compile on first use",
-                             len(programs) - i)
-                    return
-                compile_one(program)
-            return
-        with (concurrent.futures.ThreadPoolExecutor(threads) as pool,
-              tqdm(total=len(programs), desc="warm-up", unit="program", disable=not progress) as bar):
-            for future in concurrent.futures.as_completed([pool.submit(compile_one, p) for p in programs]):
-                future.result()
-                bar.update(1)
+        for programs, record in groups:
+            if threads == 1:  # the background warm-up: stops early when asked (stop_background_warmup)
+                for i, program in enumerate(programs):
+                    if self._stop_background.is_set():
+                        log.info("warm-up: background compilation stopped, %d programs left to compile on first use",
+                                 len(programs) - i)
+                        return
+                    compile_one(program)
+            else:
+                with (concurrent.futures.ThreadPoolExecutor(threads) as pool,
+                      tqdm(total=len(programs), desc="warm-up", unit="program", disable=not progress) as bar):
+                    for future in concurrent.futures.as_completed([pool.submit(compile_one, p) for p in programs]):
+                        future.result()
+                        bar.update(1)
+            if record is not None:
+                record.parent.mkdir(parents=True, exist_ok=True)
+                record.touch()
 
     def _warm_swaps(self):
         for n in self.buckets.swap_blocks:

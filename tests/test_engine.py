@@ -5,6 +5,7 @@ import pytest
 
 from engine.engine import LLM, EngineConfig, LLMEngine
 from engine.sampling_params import SamplingParams
+from engine import runner as runner_module
 from engine.runner import CompileCounter
 from hf_models import check_greedy_match, hf_greedy, make_hf_model
 from models.config import ModelConfig
@@ -146,6 +147,33 @@ def _random_engine(num_layers: int, **config) -> LLMEngine:
     return LLMEngine(random_model(cfg, seed=num_layers), EngineConfig(block_size=8, max_num_seqs=4,
                                                                       max_num_batched_tokens=32, num_blocks=24,
                                                                       **config))
+
+
+def test_a_warm_start_loads_every_program_after_it_returns(tmp_path, monkeypatch):
+    """With the persistent compilation cache on, each sampler's compiled programs leave a record; a later lazy
+    start of the same engine finds the records and compiles nothing before it returns (the programs load
+    on the thread, and then nothing compiles); any change to what the programs depend on (here: Ferry's
+    source) misses the record, and the greedy programs compile first again."""
+    monkeypatch.setattr(runner_module, "warm_records_dir", lambda: tmp_path)
+    first = _random_engine(2, warmup="lazy")
+    programs = len(first.runner.buckets.step_layouts())
+    assert first.runner.warmup_split == (programs, programs)
+    first.runner.wait_for_warmup()
+    assert len(list(tmp_path.iterdir())) == 2  # one record per sampler
+    counter = CompileCounter.install()
+    warm = _random_engine(2, warmup="lazy")
+    assert warm.runner.warmup_split == (0, 2 * programs)
+    warm.runner.wait_for_warmup()
+    before = counter.count
+    for i in range(4):
+        warm.add_request(None, list(range(3, 3 + 5 * i + 1)), SamplingParams(temperature=float(i % 2), max_tokens=3))
+    while warm.has_unfinished():
+        warm.step()
+    assert counter.count == before
+    monkeypatch.setattr(runner_module, "ferry_source_hash", lambda: "edited")
+    edited = _random_engine(2, warmup="lazy")
+    assert edited.runner.warmup_split == (programs, programs)
+    edited.runner.wait_for_warmup()
 
 
 def test_warmup_of_a_deeper_model_compiles_no_more_programs():
