@@ -100,7 +100,12 @@ class OutputGroup:
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or all(s.finish_reason is not None for s in self.samples)
+        if self.error is not None:
+            return True
+        for sample in self.samples:  # a loop, not all(genexpr): asked per request per step, mostly n == 1
+            if sample.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:

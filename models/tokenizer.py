@@ -167,6 +167,13 @@ class SentencePieceTokenizer(Tokenizer):
     add_eos_token: bool
     special_ids: frozenset[int]
     special_pattern: re.Pattern | None  # matches the text of any special piece
+    # ids -> str: sentencepiece's C++ method where this version exposes it. Its Python `decode` spends twice
+    # the C++ call's time sorting out its input types, on the detokenizer's hot path (3.7 vs 7.9 us a window).
+    decode_ids: Any = None
+
+    def __post_init__(self):
+        native = getattr(getattr(self.processor, "_processor", None), "_DecodeIds", None)
+        self.decode_ids = native if native is not None else self.processor.decode
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         sp = self.processor
@@ -190,12 +197,13 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         sp = self.processor
-        ids = list(map(int, ids))
+        if type(ids) is not list:  # a list (the detokenizer's) goes as it is: sentencepiece takes numpy ints too
+            ids = list(map(int, ids))
         if skip_special_tokens:
             # The detokenizer's hot path: a window with no special ids (the usual case) goes through as it is.
             if not self.special_ids.isdisjoint(ids):
                 ids = [i for i in ids if i not in self.special_ids]
-            return sp.decode(ids)
+            return self.decode_ids(ids)
         # Special pieces are written as their text; the stretches between them are decoded one by one.
         parts, run = [], []
         for i in ids:
