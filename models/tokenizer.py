@@ -140,7 +140,9 @@ class HFTokenizer(Tokenizer):
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        if type(ids) is not list:  # a list (the detokenizer's) goes as it is: tokenizers takes numpy ints too
+            ids = [int(i) for i in ids]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         return [self.backend.id_to_token(int(i)) for i in ids]
