@@ -455,8 +455,11 @@ class ModelRunner:
                         future.result()
                         bar.update(1)
             if record is not None:
-                record.parent.mkdir(parents=True, exist_ok=True)
-                record.touch()
+                try:
+                    record.parent.mkdir(parents=True, exist_ok=True)
+                    record.touch()
+                except OSError as e:  # a read-only cache: the next start just loads in the foreground
+                    log.warning("warm-up: cannot leave a record in %s: %s", record.parent, e)
 
     def _warm_swaps(self):
         for n in self.buckets.swap_blocks:
