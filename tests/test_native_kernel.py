@@ -319,27 +319,32 @@ def test_scanned_decode_reads_kernels_in_place(seed):
     kernel_shapes = {f"{k},{n}]" for k, n in [(64, 128), (64, 64), (64, 192), (96, 64)]}  # [.., K, N]
     rng = np.random.default_rng(seed)
     seqs = [SeqSlice([int(rng.integers(0, 128))], 5 + i, [1 + i]) for i in range(4)]
-    decode, prefill = StepLayout(4, 4, 1, 4, decode=True), StepLayout(96, 4, 1, 4, decode=False)
+    decode, prefill = StepLayout(4, 4, 1, 4, decode=True), StepLayout(16, 4, 1, 4, decode=False)
 
-    def hlo(layout):
+    def step(max_rows):  # a fresh trace of the step, with this row threshold
+        def run(*args):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(transformer, "IN_PLACE_KERNEL_MAX_ROWS", max_rows)
+                return model_step.__wrapped__(*args)
+        return jax.jit(run, static_argnums=(0, 4))
+
+    def args(layout):
         cache = init_kv_cache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
-        return model_step.lower(model.graphdef, model.state, cache, pack(seqs, layout, 16),
-                                layout).compile().as_text().splitlines()
+        return model.graphdef, model.state, cache, pack(seqs, layout, 16), layout
 
-    lines = hlo(decode)
+    def hlo(layout, max_rows):
+        return step(max_rows).lower(*args(layout)).compile().as_text().splitlines()
+
+    in_place = step(8).lower(*args(decode)).compile()
+    lines = in_place.as_text().splitlines()
     calls = [line for line in lines if "ferry_stacked_matmul" in line and "custom-call(" in line]
     assert len(calls) == 4, calls
     assert all(f"f32[{cfg.num_layers}," in line.split("operand_layout_constraints")[1] for line in calls)
     copies = [line for line in lines if ("dynamic-slice(" in line or " copy(" in line)
               and any(s in line.split("=")[1].split("{")[0] for s in kernel_shapes)]
     assert not copies, copies
-    assert not [line for line in hlo(prefill) if "ferry_stacked_matmul" in line]
+    assert not [line for line in hlo(prefill, 8) if "ferry_stacked_matmul" in line]  # 16 rows > 8
 
-    def logits(max_rows):
-        cache = init_kv_cache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
-        step = jax.jit(model_step.__wrapped__, static_argnums=(0, 4, 5))  # a fresh trace
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(transformer, "IN_PLACE_KERNEL_MAX_ROWS", max_rows)
-            return np.asarray(step(model.graphdef, model.state, cache, pack(seqs, decode, 16), decode)[0])
-
-    np.testing.assert_allclose(logits(transformer.IN_PLACE_KERNEL_MAX_ROWS), logits(0), rtol=1e-5, atol=1e-5)
+    sliced = step(0)(*args(decode))[0]
+    np.testing.assert_allclose(np.asarray(in_place(*args(decode)[1:4])[0]), np.asarray(sliced),
+                               rtol=1e-5, atol=1e-5)

@@ -258,6 +258,7 @@ struct Tile {
 
 struct Scratch {
   std::vector<float> q, acc, m, l, s, k, v;
+  std::vector<float> panel;  // stacked matmul: one packed [K, 64] panel of w
   std::vector<int64_t> nk;
   void Reserve(int64_t rows, int64_t vecs, int64_t bs, int64_t d) {
     auto grow = [](auto& vec, int64_t n) {
@@ -763,18 +764,21 @@ FERRY_CLONES void MatmulPanelGeneric(const Matmul& p, int64_t n0) {
 // MR rows x NV vectors of 16 columns, register-blocked (MR * NV accumulators + NV weight vectors
 // + one broadcast <= 32 zmm): per k, NV contiguous loads of w's row and MR broadcasts of x.
 // `tail` masks the last vector's columns (a panel narrower than 16 * NV).
-template <int MR, int NV>
-FERRY_AVX512 void MatmulTileAvx512(const Matmul& p, int64_t r0, int64_t n0, __mmask16 tail) {
+template <int MR, int NV, bool kPrefetch>
+FERRY_AVX512 void MatmulTileAvx512(const Matmul& p, const float* w, int64_t ldw, int64_t r0,
+                                   int64_t n0, __mmask16 tail) {
   __m512 acc[MR][NV];
   FERRY_UNROLL for (int r = 0; r < MR; ++r)
     FERRY_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   const float* x = p.x + r0 * p.k;
-  const float* w = p.w + n0;
-  for (int64_t k = 0; k < p.k; ++k, w += p.n) {
+  for (int64_t k = 0; k < p.k; ++k, w += ldw) {
     // w's rows are N floats apart: a new page every row or two, which the hardware prefetchers
-    // do not follow. Prefetching kMatmulPrefetchRows ahead keeps the misses in flight.
-    FERRY_UNROLL for (int v = 0; v < NV; ++v)
-      _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * p.n + 16 * v), _MM_HINT_T0);
+    // do not follow. Prefetching kMatmulPrefetchRows ahead keeps the misses in flight (unpacked
+    // panels only).
+    if (kPrefetch)
+      FERRY_UNROLL for (int v = 0; v < NV; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * ldw + 16 * v),
+                     _MM_HINT_T0);
     __m512 b[NV];
     FERRY_UNROLL for (int v = 0; v < NV - 1; ++v) b[v] = _mm512_loadu_ps(w + 16 * v);
     b[NV - 1] = _mm512_maskz_loadu_ps(tail, w + 16 * (NV - 1));
@@ -790,25 +794,53 @@ FERRY_AVX512 void MatmulTileAvx512(const Matmul& p, int64_t r0, int64_t n0, __mm
   }
 }
 
-using MatmulTileFn = void (*)(const Matmul&, int64_t, int64_t, __mmask16);
+using MatmulTileFn = void (*)(const Matmul&, const float*, int64_t, int64_t, int64_t, __mmask16);
 
-template <int MR>
-constexpr MatmulTileFn kMatmulTilesOfRows[4] = {&MatmulTileAvx512<MR, 1>, &MatmulTileAvx512<MR, 2>,
-                                                &MatmulTileAvx512<MR, 3>, &MatmulTileAvx512<MR, 4>};
+// w's [K, vectors * 16] panel at `w` (rows ldw apart) -> `packed` [K, kPanelCols], read once from
+// memory with prefetch. Packed, the next row blocks read it contiguously: unpacked, rows 4 KiB
+// apart (N = 1024) all land in the same cache sets and the panel falls out of L1 and L2.
+FERRY_AVX512 void PackPanelAvx512(const float* w, int64_t ldw, int64_t k_rows, int64_t vectors,
+                                  __mmask16 tail, float* packed) {
+  for (int64_t k = 0; k < k_rows; ++k, w += ldw, packed += kPanelCols) {
+    for (int64_t v = 0; v < vectors; ++v)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * ldw + 16 * v),
+                   _MM_HINT_T0);
+    for (int64_t v = 0; v < vectors - 1; ++v)
+      _mm512_storeu_ps(packed + 16 * v, _mm512_loadu_ps(w + 16 * v));
+    _mm512_storeu_ps(packed + 16 * (vectors - 1), _mm512_maskz_loadu_ps(tail, w + 16 * (vectors - 1)));
+  }
+}
 
-// [rows - 1][vectors - 1]
-constexpr const MatmulTileFn* kMatmulTiles[kRowBlock] = {
-    kMatmulTilesOfRows<1>, kMatmulTilesOfRows<2>, kMatmulTilesOfRows<3>,
-    kMatmulTilesOfRows<4>, kMatmulTilesOfRows<5>, kMatmulTilesOfRows<6>};
+template <int MR, bool kPrefetch>
+constexpr MatmulTileFn kMatmulTilesOfRows[4] = {
+    &MatmulTileAvx512<MR, 1, kPrefetch>, &MatmulTileAvx512<MR, 2, kPrefetch>,
+    &MatmulTileAvx512<MR, 3, kPrefetch>, &MatmulTileAvx512<MR, 4, kPrefetch>};
+
+// [prefetch][rows - 1][vectors - 1]
+constexpr const MatmulTileFn* kMatmulTiles[2][kRowBlock] = {
+    {kMatmulTilesOfRows<1, false>, kMatmulTilesOfRows<2, false>, kMatmulTilesOfRows<3, false>,
+     kMatmulTilesOfRows<4, false>, kMatmulTilesOfRows<5, false>, kMatmulTilesOfRows<6, false>},
+    {kMatmulTilesOfRows<1, true>, kMatmulTilesOfRows<2, true>, kMatmulTilesOfRows<3, true>,
+     kMatmulTilesOfRows<4, true>, kMatmulTilesOfRows<5, true>, kMatmulTilesOfRows<6, true>}};
 
 void MatmulPanelAvx512(const Matmul& p, int64_t n0) {
   const int64_t cols = std::min(kPanelCols, p.n - n0);
   const int64_t vectors = (cols + 15) / 16;
   const int64_t tail_cols = cols - 16 * (vectors - 1);
   const __mmask16 tail = static_cast<__mmask16>((1u << tail_cols) - 1u);
+  const float* w = p.w + n0;
+  int64_t ldw = p.n;
+  const bool pack = p.m > kRowBlock;  // several row blocks read the panel
+  if (pack) {
+    std::vector<float>& panel = ThreadScratch().panel;
+    if (static_cast<int64_t>(panel.size()) < p.k * kPanelCols) panel.resize(p.k * kPanelCols);
+    PackPanelAvx512(w, ldw, p.k, vectors, tail, panel.data());
+    w = panel.data();
+    ldw = kPanelCols;
+  }
   for (int64_t r0 = 0; r0 < p.m; r0 += kRowBlock) {
     const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
-    kMatmulTiles[rows - 1][vectors - 1](p, r0, n0, tail);
+    kMatmulTiles[!pack][rows - 1][vectors - 1](p, w, ldw, r0, n0, tail);
   }
 }
 
