@@ -83,10 +83,11 @@ def _linear(cfg_in, cfg_out, bias, dtype, rngs):
                   kernel_init=_INIT, rngs=rngs)
 
 
-# Steps of at most this many rows (decode batches) run the scanned layers' linears with the native
-# stacked matmul on CPU; more rows (prefill) keep XLA's dot, over which its per-layer weight copy is
-# amortised. Measured (notes issue 12): the kernel at least matches copy + library dot from 1 to 256
-# rows (K, N 256..2048), and is 1.3-1.6x faster at 16 rows.
+# Decode steps of at most this many rows run the scanned layers' linears with the native stacked
+# matmul on CPU; prefill steps keep XLA's dot, over which its per-layer weight copy is amortised (with
+# the kernel on prefill steps too, prefill-heavy throughput fell 7-12% against the unrolled layers).
+# Measured (notes issue 12): the kernel at least matches copy + library dot from 1 to 256 rows
+# (K, N 256..2048), and is 1.3-1.6x faster at 16 rows.
 IN_PLACE_KERNEL_MAX_ROWS = 256
 
 
@@ -226,9 +227,9 @@ class Transformer(nnx.Module):
 
         # The cache rides in the carry as one pool of every layer's pages: each layer scatters into
         # it and its kernel reads it in place (a per-layer slice would copy the layer's pages).
+        in_place = md.decode and in_place_kernels(x.shape[0], self.dtype)
         x, k_pool, v_pool = self.scan_layers(layer_step, (x, layer_pool(k_pages), layer_pool(v_pages)),
-                                             jnp.arange(cfg.num_layers),
-                                             kernels_in_place=in_place_kernels(x.shape[0], self.dtype))
+                                             jnp.arange(cfg.num_layers), kernels_in_place=in_place)
         new_cache = (k_pool.reshape(k_pages.shape), v_pool.reshape(v_pages.shape))
         x = self.norm(x[logits_indices])  # only the rows we sample from (RMSNorm is per token)
         if cfg.tie_word_embeddings:

@@ -179,7 +179,8 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
         abi = lib.FerryPagedAttentionAbiVersion()
         built_from = lib.FerryPagedAttentionSourceHash().decode()
         headers = lib.FerryPagedAttentionJaxlibVersion().decode()
-        lib.FerryPagedDecodeAttention, lib.FerryPagedPrefillAttention, lib.FerryKvWrite, lib.FerryStackedMatmul  # noqa: B018,E501 (must exist)
+        lib.FerryPagedDecodeAttention, lib.FerryPagedPrefillAttention  # noqa: B018 (must exist)
+        lib.FerryKvWrite, lib.FerryStackedMatmul  # noqa: B018 (must exist)
     except AttributeError as e:
         return None, f"{path} is not a Ferry attention library: {e}"
     if abi != ABI_VERSION:
