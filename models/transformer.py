@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from models.config import ModelConfig
 from models.paged import AttentionMetadata, KVCache, layer_pool, write_kv
 from models.sharding import HEADS_SPEC, KV_POOL_SPEC, MODEL_AXIS, fused_groups, model_axis_size, split_columns
+from pallas_kernels import native
 from pallas_kernels.attention import paged_attention
 
 _INIT = nnx.initializers.normal(0.02)
@@ -62,9 +63,43 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed.astype(x.dtype)
 
 
+class Linear(nnx.Linear):
+    """nnx.Linear, or inside the scanned layers on CPU (Transformer.scan_layers, in_place_kernels)
+    one layer of a stack: the kernel is the whole [num_layers, in, out] parameter and `layer` the
+    scan's index, and the native stacked matmul reads that layer's weights where they lie."""
+
+    layer = None  # int32 [] while the kernel is a stack; set by scan_layers
+
+    def __call__(self, x):
+        kernel = self.kernel[...]
+        if kernel.ndim == 2:
+            return super().__call__(x)
+        y = native.stacked_matmul(x, kernel, self.layer)
+        return y if self.bias is None else y + self.bias[...]
+
+
 def _linear(cfg_in, cfg_out, bias, dtype, rngs):
-    return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
-                      kernel_init=_INIT, rngs=rngs)
+    return Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                  kernel_init=_INIT, rngs=rngs)
+
+
+# Decode steps of at most this many rows run the scanned layers' linears with the native stacked
+# matmul on CPU; prefill steps keep XLA's dot, over which its per-layer weight copy is amortised.
+# Measured (notes issue 12): the kernel at least matches copy + library dot from 1 to 256 rows
+# (K, N 256..2048), and is 1.3-1.6x faster at 16 rows; decode CPU time per step at SmolLM2-135M's
+# shape went from +40% to -4% against per-layer arrays.
+IN_PLACE_KERNEL_MAX_ROWS = 256
+
+
+def in_place_kernels(num_rows: int, dtype) -> bool:
+    """Whether a step of `num_rows` rows should read the scanned layers' kernels in place (see Linear):
+    CPU, the native library built, float32 weights, no tensor parallelism, few rows."""
+    return (num_rows <= IN_PLACE_KERNEL_MAX_ROWS and jnp.dtype(dtype) == jnp.float32
+            and jax.default_backend() == "cpu" and model_axis_size() == 1 and native.available())
+
+
+def _is_kernel(path, _value) -> bool:
+    return path[-1] == "kernel"
 
 
 def rope_cos_sin(inv_freq, positions, dtype):
@@ -192,8 +227,9 @@ class Transformer(nnx.Module):
 
         # The cache rides in the carry as one pool of every layer's pages: each layer scatters into
         # it and its kernel reads it in place (a per-layer slice would copy the layer's pages).
+        in_place = md.decode and in_place_kernels(x.shape[0], self.dtype)
         x, k_pool, v_pool = self.scan_layers(layer_step, (x, layer_pool(k_pages), layer_pool(v_pages)),
-                                             jnp.arange(cfg.num_layers))
+                                             jnp.arange(cfg.num_layers), kernels_in_place=in_place)
         new_cache = (k_pool.reshape(k_pages.shape), v_pool.reshape(v_pages.shape))
         x = self.norm(x[logits_indices])  # only the rows we sample from (RMSNorm is per token)
         if cfg.tie_word_embeddings:
@@ -211,29 +247,42 @@ class Transformer(nnx.Module):
         return logits, new_cache
 
 
-    def scan_layers(self, fn, carry, xs=None):
+    def scan_layers(self, fn, carry, xs=None, *, kernels_in_place: bool = False):
         """`carry` through every layer in order, one traced layer (jax.lax.scan):
         fn(layer, carry, x) -> carry, where layer is a DecoderLayer holding that layer's parameters
-        and x that layer's slice of `xs` (None: nothing). Per-layer modules (scan=False) run unrolled:
-        each layer's weights are their own arrays, which the CPU's library dots read in place (the
-        scan's slice of a stacked array costs a copy of the layer's weights per step, below)."""
+        and x that layer's slice of `xs` (None: nothing). Per-layer modules (scan=False) run unrolled.
+
+        The scan's slice of a stacked array is a copy on XLA CPU: its library dots (YNNPACK) take
+        static slices only, so every step copied each layer's weights (decode CPU time +35..39% at
+        SmolLM2-135M's 30 x 576, batch 16, against per-layer arrays; jaxlib 0.10.2 and 0.11.2 alike).
+        `kernels_in_place` (in_place_kernels(): CPU, float32, few rows) keeps the linears' kernels
+        out of the scanned operands: the body closes over the whole stacks and each Linear's native
+        stacked matmul reads its layer where it lies. The small parameters (norms, biases) are
+        still sliced, and prefill-sized steps keep XLA's dots, over which the copy is amortised."""
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):
                 carry = fn(layer, carry, None if xs is None else xs[i])
             return carry
-        graphdef, stacked = nnx.split(self.layers)
+        if kernels_in_place:
+            graphdef, kernels, stacked = nnx.split(self.layers, _is_kernel, ...)
+        else:
+            graphdef, stacked = nnx.split(self.layers)
+        num_layers = self.cfg.num_layers
 
         def body(c, inputs):
-            # The barrier materialises this layer's weights once (a copy of one layer), so the matmuls
-            # stay library dots (left fusible, XLA CPU has folded the scan's dynamic-slice into them,
-            # making them generic loops). jaxlib 0.10.2 makes that copy with or without the barrier
-            # (YNNPACK dots take static slices, not dynamic ones), and it is the scan's price: decode
-            # CPU time per step against per-layer arrays unrolled, +3..14% at 4 layers x 256 wide, +39%
-            # at SmolLM2-135M's 30 x 576 (batch 16); prefill +1..5%. Notes: issue 12.
-            layer_state, x = jax.lax.optimization_barrier(inputs)
-            return fn(nnx.merge(graphdef, layer_state), c, x), None
+            # The barrier materialises this layer's sliced parameters once, so the matmuls stay
+            # library dots (left fusible, XLA CPU folds the scan's dynamic-slice into them, making
+            # them generic loops).
+            layer_state, x, index = jax.lax.optimization_barrier(inputs)
+            if not kernels_in_place:
+                return fn(nnx.merge(graphdef, layer_state), c, x), None
+            layer = nnx.merge(graphdef, kernels, layer_state)
+            for _, module in nnx.iter_modules(layer):
+                if isinstance(module, Linear):
+                    module.layer = index
+            return fn(layer, c, x), None
 
-        return jax.lax.scan(body, carry, (stacked, xs))[0]
+        return jax.lax.scan(body, carry, (stacked, xs, jnp.arange(num_layers, dtype=jnp.int32)))[0]
 
 
 def forward(graphdef, state, kv_cache, token_ids, positions, md, logits_indices, attention_impl=None):

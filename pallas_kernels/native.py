@@ -8,6 +8,8 @@
 take exactly the arguments of the references in pallas_kernels/reference.py and match them (float32
 and bfloat16, q and pages of one dtype, or float32 q over bfloat16 pages: a bf16 KV cache under a
 float32 model; GQA/MQA; any head_dim and block size; optional soft cap).
+`stacked_matmul(x, stacked_w, layer)` is x @ stacked_w[layer] reading that layer's weights in place
+(the scanned decoder layers' linears: XLA CPU copies a dynamic slice before its library dot).
 `kv_write(pages, updates, slot_mapping)` scatters one step's K or V rows into the pages in place (XLA
 CPU's own scatter into a 16-bit float cache rewrites every page). They run on the CPU backend only. `available()` says whether the library is loaded (and logs why
 not); callers fall back to the reference when it is False.
@@ -55,7 +57,8 @@ PACKAGE_LIBRARY = _HERE / "cpu" / LIBRARY_NAME
 DECODE_TARGET = "ferry_paged_decode_attention"
 PREFILL_TARGET = "ferry_paged_prefill_attention"
 KV_WRITE_TARGET = "ferry_kv_write"
-ABI_VERSION = 2  # FerryPagedAttentionAbiVersion() in the .cc
+STACKED_MATMUL_TARGET = "ferry_stacked_matmul"
+ABI_VERSION = 3  # FerryPagedAttentionAbiVersion() in the .cc
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -176,7 +179,8 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
         abi = lib.FerryPagedAttentionAbiVersion()
         built_from = lib.FerryPagedAttentionSourceHash().decode()
         headers = lib.FerryPagedAttentionJaxlibVersion().decode()
-        lib.FerryPagedDecodeAttention, lib.FerryPagedPrefillAttention, lib.FerryKvWrite  # noqa: B018 (must exist)
+        lib.FerryPagedDecodeAttention, lib.FerryPagedPrefillAttention  # noqa: B018 (must exist)
+        lib.FerryKvWrite, lib.FerryStackedMatmul  # noqa: B018 (must exist)
     except AttributeError as e:
         return None, f"{path} is not a Ferry attention library: {e}"
     if abi != ABI_VERSION:
@@ -230,7 +234,8 @@ def _load() -> dict:
             if lib is not None:
                 for name, fn in ((DECODE_TARGET, lib.FerryPagedDecodeAttention),
                                  (PREFILL_TARGET, lib.FerryPagedPrefillAttention),
-                                 (KV_WRITE_TARGET, lib.FerryKvWrite)):
+                                 (KV_WRITE_TARGET, lib.FerryKvWrite),
+                                 (STACKED_MATMUL_TARGET, lib.FerryStackedMatmul)):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
             else:
                 _log.warning("native CPU paged attention unavailable (using the reference): %s",
@@ -316,6 +321,27 @@ def kv_write(pages, updates, slot_mapping):
     call = jax.ffi.ffi_call(KV_WRITE_TARGET, jax.ShapeDtypeStruct(pages.shape, pages.dtype),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     return call(pages, updates.astype(pages.dtype), jnp.asarray(slot_mapping, jnp.int32))
+
+
+def stacked_matmul(x, stacked_w, layer):
+    """x [..., K] @ stacked_w[layer] -> [..., N], float32, for stacked_w [L, K, N] (float32) and an
+    int32 scalar `layer` (clamped into [0, L) like a dynamic slice). The kernel reads the layer's
+    weights where they lie in the stack: under jax.lax.scan with the stack closed over (not
+    sliced by the scan), no per-step copy of a layer's weights. Reference: jnp.dot(x, stacked_w[layer])."""
+    if not available():
+        raise RuntimeError(f"native CPU stacked matmul unavailable: {unavailable_reason()}")
+    if x.dtype != jnp.float32 or stacked_w.dtype != jnp.float32:
+        raise ValueError(f"native stacked matmul takes float32 x and weights; got x {x.dtype}, "
+                         f"stacked_w {stacked_w.dtype}")
+    if stacked_w.ndim != 3 or x.shape[-1] != stacked_w.shape[1]:
+        raise ValueError(f"native stacked matmul: x [..., K] and stacked_w [L, K, N] needed; got x "
+                         f"{x.shape}, stacked_w {stacked_w.shape}")
+    rows = x.reshape(-1, x.shape[-1])
+    call = jax.ffi.ffi_call(STACKED_MATMUL_TARGET,
+                            jax.ShapeDtypeStruct((rows.shape[0], stacked_w.shape[2]), jnp.float32),
+                            vmap_method="sequential")
+    y = call(rows, stacked_w, jnp.asarray(layer, jnp.int32).reshape(()))
+    return y.reshape(*x.shape[:-1], stacked_w.shape[2])
 
 
 # ----------------------------------------------------------------------------- command line

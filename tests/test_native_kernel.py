@@ -259,3 +259,92 @@ def test_build_from_source_and_stale_check(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "source_hash", lambda *a: "0123456789abcdef")
     lib, why = native._open(out)
     assert lib is None and "stale" in why, why
+
+
+# ----------------------------------------------------------------------------- stacked matmul
+
+STACKED_MATMUL_SHAPES = [  # (M, K, N): odd sizes, one row, panels of 64 columns and their tails
+    (1, 1, 1), (1, 576, 1728), (5, 33, 70), (7, 129, 17), (16, 256, 1024), (13, 100, 129), (70, 64, 200)]
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["avx512_if_present", "portable"])
+def test_stacked_matmul_matches_dot(seed, generic, monkeypatch):
+    """x @ w[layer] for every layer of a random stack (poisoned output buffer), out-of-range layers
+    clamped like a dynamic slice, the same bits on one thread as on the pool."""
+    if generic:
+        monkeypatch.setenv("FERRY_NATIVE_MATMUL_GENERIC", "1")
+    rng = np.random.default_rng(seed)
+    for m, k, n in STACKED_MATMUL_SHAPES:
+        num_layers = 3
+        w = jnp.asarray(rng.standard_normal((num_layers, k, n)), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        poison = jnp.zeros((m, n), jnp.float32)  # shape of the output, for run_poisoned
+        for layer in [*range(num_layers), -1, num_layers]:
+            ref = np.asarray(x, np.float64) @ np.asarray(w[min(max(layer, 0), num_layers - 1)], np.float64)
+            out = run_poisoned(lambda _, x, w, i: native.stacked_matmul(x, w, i), poison, x, w,
+                               jnp.int32(layer))
+            np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4 * np.sqrt(k),
+                                       err_msg=f"M,K,N={m, k, n} layer={layer} seed={seed}")
+        monkeypatch.setenv("FERRY_NATIVE_ATTENTION_THREADS", "1")
+        serial = native.stacked_matmul(x, w, 1)
+        monkeypatch.delenv("FERRY_NATIVE_ATTENTION_THREADS")
+        np.testing.assert_array_equal(np.asarray(serial), np.asarray(native.stacked_matmul(x, w, 1)))
+
+
+def test_stacked_matmul_rejects_bad_inputs():
+    x, w = jnp.zeros((2, 8), jnp.float32), jnp.zeros((3, 8, 4), jnp.float32)
+    with pytest.raises(ValueError, match="float32"):
+        native.stacked_matmul(x.astype(jnp.bfloat16), w, 0)
+    with pytest.raises(ValueError, match=r"stacked_w \[L, K, N\]"):
+        native.stacked_matmul(x, w[0], 0)
+    with pytest.raises(ValueError, match=r"x \[..., K\]"):
+        native.stacked_matmul(x[:, :5], w, 0)
+
+
+def test_scanned_decode_reads_kernels_in_place(seed):
+    """The decode step's compiled HLO: the scanned layers' four linears are stacked-matmul custom
+    calls on the whole [L, K, N] kernels, and no dynamic-slice or copy of a layer's [K, N] kernel is
+    left (XLA CPU copied one per layer per step); a prefill step keeps XLA's dots. Logits match the
+    sliced path's."""
+    from engine.packing import SeqSlice, StepLayout, pack
+    from engine.step import model_step
+    from models import transformer
+    from models.config import ModelConfig
+    from models.loading import random_model
+    from models.paged import init_kv_cache
+
+    cfg = ModelConfig(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96,
+                      num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
+    model = random_model(cfg, seed=seed % (1 << 30))
+    kernel_shapes = {f"{k},{n}]" for k, n in [(64, 128), (64, 64), (64, 192), (96, 64)]}  # [.., K, N]
+    rng = np.random.default_rng(seed)
+    seqs = [SeqSlice([int(rng.integers(0, 128))], 5 + i, [1 + i]) for i in range(4)]
+    decode, prefill = StepLayout(4, 4, 1, 4, decode=True), StepLayout(16, 4, 1, 4, decode=False)
+
+    def step(max_rows):  # a fresh trace of the step, with this row threshold
+        def run(*args):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(transformer, "IN_PLACE_KERNEL_MAX_ROWS", max_rows)
+                return model_step.__wrapped__(*args)
+        return jax.jit(run, static_argnums=(0, 4))
+
+    def args(layout):
+        cache = init_kv_cache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+        return model.graphdef, model.state, cache, pack(seqs, layout, 16), layout
+
+    def hlo(layout, max_rows):
+        return step(max_rows).lower(*args(layout)).compile().as_text().splitlines()
+
+    in_place = step(8).lower(*args(decode)).compile()
+    lines = in_place.as_text().splitlines()
+    calls = [line for line in lines if "ferry_stacked_matmul" in line and "custom-call(" in line]
+    assert len(calls) == 4, calls
+    assert all(f"f32[{cfg.num_layers}," in line.split("operand_layout_constraints")[1] for line in calls)
+    copies = [line for line in lines if ("dynamic-slice(" in line or " copy(" in line)
+              and any(s in line.split("=")[1].split("{")[0] for s in kernel_shapes)]
+    assert not copies, copies
+    assert not [line for line in hlo(prefill, 256) if "ferry_stacked_matmul" in line]  # not decode
+
+    sliced = step(0)(*args(decode))[0]
+    np.testing.assert_allclose(np.asarray(in_place(*args(decode)[1:4])[0]), np.asarray(sliced),
+                               rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
-// Native CPU paged attention for Ferry, exported as two XLA FFI handlers:
+// Native CPU paged attention for Ferry (and the scanned layers' stacked matmul), exported as XLA
+// FFI handlers:
 //
 //   FerryPagedDecodeAttention   q [S, Hq, D], k/v pages [NB, BS, Hkv, D], block_tables [S, W] i32,
 //                               context_lens [S] i32                      -> out [S, Hq, D]
@@ -7,6 +8,8 @@
 //   FerryKvWrite                pages [NB, BS, Hkv, D], new [T, Hkv, D] (pages' dtype),
 //                               slot_mapping [T] i32  -> pages with row slot_mapping[t] = new[t]
 //                               (aliased in place; slots outside [0, NB * BS) are dropped)
+//   FerryStackedMatmul          x [M, K] f32, w [L, K, N] f32, layer [] i32 -> x @ w[layer] [M, N]
+//                               (w[layer] read in place; see "stacked matmul" below)
 //
 // Attributes: scale (f32) and soft_cap (f32; 0 = no cap). Semantics are those of
 // pallas_kernels/reference.py: a query's absolute position is context_len - query_len + its index
@@ -42,6 +45,10 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -251,6 +258,7 @@ struct Tile {
 
 struct Scratch {
   std::vector<float> q, acc, m, l, s, k, v;
+  std::vector<float> panel;  // stacked matmul: one packed [K, 64] panel of w
   std::vector<int64_t> nk;
   void Reserve(int64_t rows, int64_t vecs, int64_t bs, int64_t d) {
     auto grow = [](auto& vec, int64_t n) {
@@ -714,6 +722,178 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer pages, ffi::AnyBuffer updates, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// ----------------------------------------------------------------------------- stacked matmul
+
+// y [M, N] = x [M, K] @ w[layer] where w is a whole [L, K, N] stack of per-layer weights: the
+// decoder layers' linears inside jax.lax.scan read their layer's weights in place, where XLA CPU
+// would copy the dynamic-slice w[layer] into a buffer for its library dot on every step.
+// Work items are panels of kPanelCols output columns; each runs over all rows, kRowBlock rows at
+// a time, so a panel of w (K x 64 floats) comes from memory once and from L2 for the next rows.
+constexpr int64_t kPanelCols = 64;
+constexpr int kRowBlock = 6;
+constexpr int64_t kMatmulPrefetchRows = 16;
+
+struct Matmul {
+  const float* x;  // [M, K]
+  const float* w;  // [K, N]: the chosen layer
+  float* y;        // [M, N]
+  int64_t m, k, n;
+};
+
+// Portable version of one panel (auto-vectorised; AVX2/FMA clone on x86-64).
+FERRY_CLONES void MatmulPanelGeneric(const Matmul& p, int64_t n0) {
+  const int64_t cols = std::min(kPanelCols, p.n - n0);
+  float acc[kPanelCols];
+  for (int64_t r = 0; r < p.m; ++r) {
+    std::fill(acc, acc + cols, 0.0f);
+    const float* xr = p.x + r * p.k;
+    for (int64_t k = 0; k < p.k; ++k) {
+      const float a = xr[k];
+      const float* __restrict wk = p.w + k * p.n + n0;
+      for (int64_t j = 0; j < cols; ++j) acc[j] += a * wk[j];
+    }
+    std::copy(acc, acc + cols, p.y + r * p.n + n0);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(FERRY_NO_TARGET_CLONES)
+#define FERRY_HAVE_AVX512_MATMUL 1
+#define FERRY_AVX512 __attribute__((target("avx512f,fma")))
+#define FERRY_UNROLL _Pragma("GCC unroll 8")  // unrolled before GCC decides where acc lives
+
+// MR rows x NV vectors of 16 columns, register-blocked (MR * NV accumulators + NV weight vectors
+// + one broadcast <= 32 zmm): per k, NV contiguous loads of w's row and MR broadcasts of x.
+// `tail` masks the last vector's columns (a panel narrower than 16 * NV).
+template <int MR, int NV, bool kPrefetch>
+FERRY_AVX512 void MatmulTileAvx512(const Matmul& p, const float* w, int64_t ldw, int64_t r0,
+                                   int64_t n0, __mmask16 tail) {
+  __m512 acc[MR][NV];
+  FERRY_UNROLL for (int r = 0; r < MR; ++r)
+    FERRY_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const float* x = p.x + r0 * p.k;
+  for (int64_t k = 0; k < p.k; ++k, w += ldw) {
+    // w's rows are N floats apart: a new page every row or two, which the hardware prefetchers
+    // do not follow. Prefetching kMatmulPrefetchRows ahead keeps the misses in flight (unpacked
+    // panels only).
+    if (kPrefetch)
+      FERRY_UNROLL for (int v = 0; v < NV; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * ldw + 16 * v),
+                     _MM_HINT_T0);
+    __m512 b[NV];
+    FERRY_UNROLL for (int v = 0; v < NV - 1; ++v) b[v] = _mm512_loadu_ps(w + 16 * v);
+    b[NV - 1] = _mm512_maskz_loadu_ps(tail, w + 16 * (NV - 1));
+    FERRY_UNROLL for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * p.k + k]);
+      FERRY_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
+    }
+  }
+  float* y = p.y + r0 * p.n + n0;
+  FERRY_UNROLL for (int r = 0; r < MR; ++r, y += p.n) {
+    FERRY_UNROLL for (int v = 0; v < NV - 1; ++v) _mm512_storeu_ps(y + 16 * v, acc[r][v]);
+    _mm512_mask_storeu_ps(y + 16 * (NV - 1), tail, acc[r][NV - 1]);
+  }
+}
+
+using MatmulTileFn = void (*)(const Matmul&, const float*, int64_t, int64_t, int64_t, __mmask16);
+
+// w's [K, vectors * 16] panel at `w` (rows ldw apart) -> `packed` [K, kPanelCols], read once from
+// memory with prefetch. Packed, the next row blocks read it contiguously: unpacked, rows 4 KiB
+// apart (N = 1024) all land in the same cache sets and the panel falls out of L1 and L2.
+FERRY_AVX512 void PackPanelAvx512(const float* w, int64_t ldw, int64_t k_rows, int64_t vectors,
+                                  __mmask16 tail, float* packed) {
+  for (int64_t k = 0; k < k_rows; ++k, w += ldw, packed += kPanelCols) {
+    for (int64_t v = 0; v < vectors; ++v)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * ldw + 16 * v),
+                   _MM_HINT_T0);
+    for (int64_t v = 0; v < vectors - 1; ++v)
+      _mm512_storeu_ps(packed + 16 * v, _mm512_loadu_ps(w + 16 * v));
+    _mm512_storeu_ps(packed + 16 * (vectors - 1), _mm512_maskz_loadu_ps(tail, w + 16 * (vectors - 1)));
+  }
+}
+
+template <int MR, bool kPrefetch>
+constexpr MatmulTileFn kMatmulTilesOfRows[4] = {
+    &MatmulTileAvx512<MR, 1, kPrefetch>, &MatmulTileAvx512<MR, 2, kPrefetch>,
+    &MatmulTileAvx512<MR, 3, kPrefetch>, &MatmulTileAvx512<MR, 4, kPrefetch>};
+
+// [prefetch][rows - 1][vectors - 1]
+constexpr const MatmulTileFn* kMatmulTiles[2][kRowBlock] = {
+    {kMatmulTilesOfRows<1, false>, kMatmulTilesOfRows<2, false>, kMatmulTilesOfRows<3, false>,
+     kMatmulTilesOfRows<4, false>, kMatmulTilesOfRows<5, false>, kMatmulTilesOfRows<6, false>},
+    {kMatmulTilesOfRows<1, true>, kMatmulTilesOfRows<2, true>, kMatmulTilesOfRows<3, true>,
+     kMatmulTilesOfRows<4, true>, kMatmulTilesOfRows<5, true>, kMatmulTilesOfRows<6, true>}};
+
+void MatmulPanelAvx512(const Matmul& p, int64_t n0) {
+  const int64_t cols = std::min(kPanelCols, p.n - n0);
+  const int64_t vectors = (cols + 15) / 16;
+  const int64_t tail_cols = cols - 16 * (vectors - 1);
+  const __mmask16 tail = static_cast<__mmask16>((1u << tail_cols) - 1u);
+  const float* w = p.w + n0;
+  int64_t ldw = p.n;
+  const bool pack = p.m > kRowBlock;  // several row blocks read the panel
+  if (pack) {
+    std::vector<float>& panel = ThreadScratch().panel;
+    if (static_cast<int64_t>(panel.size()) < p.k * kPanelCols) panel.resize(p.k * kPanelCols);
+    PackPanelAvx512(w, ldw, p.k, vectors, tail, panel.data());
+    w = panel.data();
+    ldw = kPanelCols;
+  }
+  for (int64_t r0 = 0; r0 < p.m; r0 += kRowBlock) {
+    const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
+    kMatmulTiles[!pack][rows - 1][vectors - 1](p, w, ldw, r0, n0, tail);
+  }
+}
+
+bool UseAvx512Matmul() {  // FERRY_NATIVE_MATMUL_GENERIC=1 forces the portable loops (tests)
+  const char* env = std::getenv("FERRY_NATIVE_MATMUL_GENERIC");
+  if (env != nullptr && *env == '1') return false;
+  return __builtin_cpu_supports("avx512f");
+}
+#else
+bool UseAvx512Matmul() { return false; }
+#endif
+
+struct MatmulWork {
+  const Matmul* problem;
+  bool avx512;
+  static void Run(const void* self, int64_t panel) {
+    const auto* w = static_cast<const MatmulWork*>(self);
+#ifdef FERRY_HAVE_AVX512_MATMUL
+    if (w->avx512) return MatmulPanelAvx512(*w->problem, panel * kPanelCols);
+#endif
+    MatmulPanelGeneric(*w->problem, panel * kPanelCols);
+  }
+};
+
+ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                             ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || layer.element_count() != 1 || yd.size() != 2 ||
+      xd[1] != wd[1] || yd[0] != xd[0] || yd[1] != wd[2])
+    return ffi::Error::InvalidArgument(
+        "ferry stacked matmul: expected x [M,K], w [L,K,N], layer [] and y [M,N]");
+  if (wd[0] == 0) return ffi::Error::InvalidArgument("ferry stacked matmul: w has no layers");
+  // Clamped like XLA's dynamic-slice clamps its start index.
+  const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, wd[0] - 1);
+  const Matmul p{x.typed_data(), w.typed_data() + l * wd[1] * wd[2], y->typed_data(),
+                 xd[0], xd[1], wd[2]};
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  const MatmulWork work{&p, UseAvx512Matmul()};
+  const int64_t panels = (p.n + kPanelCols - 1) / kPanelCols;
+  int64_t threads = pool.num_threads();
+  const int env = MaxThreadsFromEnv();
+  if (env > 0) threads = std::min<int64_t>(threads, env);
+  if (p.m * p.k * p.n < (int64_t{1} << 18)) threads = 1;  // not worth waking a thread
+  ParallelFor(&pool, panels, threads - 1, &work, &MatmulWork::Run);
+  return ffi::Error::Success();
+}
+
+ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return Guarded([&] { return StackedMatmulBody(pool, x, w, layer, y); });
+}
+
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
                       ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap) {
@@ -769,6 +949,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryKvWrite, KvWriteImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
                                   .Ret<ffi::AnyBuffer>());       // pages, aliased
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmul, StackedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, K, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
 // Let the loader (pallas_kernels/native.py) check that the library matches the Python side and
 // was built from this very source (the build passes -DFERRY_SOURCE_HASH=<sha256 prefix>).
 // The jaxlib whose FFI headers it was compiled against goes in too: XLA takes handlers built with
@@ -779,7 +967,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryKvWrite, KvWriteImpl,
 #ifndef FERRY_JAXLIB_VERSION
 #define FERRY_JAXLIB_VERSION "unknown"
 #endif
-extern "C" int FerryPagedAttentionAbiVersion() { return 2; }
+extern "C" int FerryPagedAttentionAbiVersion() { return 3; }
 extern "C" const char* FerryPagedAttentionSourceHash() { return FERRY_SOURCE_HASH; }
 extern "C" const char* FerryPagedAttentionJaxlibVersion() { return FERRY_JAXLIB_VERSION; }
 
