@@ -64,7 +64,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1          # devices one model is split over (models/sharding.py)
     data_parallel_size: int = 1            # independent replicas, each on its own tensor_parallel_size devices
     scan_layers: bool = True               # one scanned layer (compile time independent of depth); False:
-                                           # layers unrolled, faster decode on CPU, compile time ~ depth
+                                           # layers unrolled, compile time ~ depth
     warmup: str = "none"                   # compile in __init__: "full" every step shape, both samplers;
                                            # "lazy" the greedy ones, the full sampler's in the background;
                                            # "none" each shape on first use
