@@ -363,9 +363,9 @@ class ModelRunner:
         """Compile every step layout for the greedy sampler and, if `sampling`, for the full one too,
         and every swap size. With `background` the full sampler's programs compile on a thread after
         this returns (`wait_for_warmup` joins it; a sampled request that comes first compiles its own),
-        and so do the greedy ones when the persistent cache is known to hold them (`_warm_record`): loading
-        a program costs its trace, ~0.1-0.3 s, so a warm start serves at once and a request that comes
-        first loads its own program.
+        and so do the greedy ones and the swap copies when the persistent cache is known to hold them
+        (`_warm_record`): loading a program costs its trace, ~0.1-0.3 s, so a warm start serves at once and a
+        request that comes first loads its own program.
 
         Ahead of time (lower + compile: nothing runs and the cache is not touched), on one thread per
         core: tracing holds the GIL, XLA's compile does not. Returns the seconds it took."""
@@ -380,9 +380,10 @@ class ModelRunner:
         # Shapes only: the background thread must not touch the cache, which steps donate meanwhile.
         cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_cache)
         self._compile_steps(now, cache, threads=os.cpu_count() or 1, progress=True)
-        self._warm_swaps()
+        if now:
+            self._warm_swaps()
         if later:
-            self._background = threading.Thread(target=self._compile_steps, args=(later, cache, 1, False),
+            self._background = threading.Thread(target=self._compile_in_background, args=(later, cache, not now),
                                                 name="ferry-warmup", daemon=True)
             self._stop_background.clear()
             # At exit, stop after the compile in progress: the interpreter must not finalize under it (an
@@ -394,7 +395,7 @@ class ModelRunner:
         count = lambda gs: sum(len(programs) for programs, _ in gs)  # noqa: E731
         self.warmup_split = (count(now), count(later))
         log.info("warm-up: %d step programs (%d layouts x %d samplers) and %d swap sizes in %.1f s%s", count(now),
-                 len(layouts), len(now), len(self.buckets.swap_blocks), elapsed,
+                 len(layouts), len(now), len(self.buckets.swap_blocks) if now else 0, elapsed,
                  f"; {count(later)} programs compiling in the background" + (
                      "" if now else ", where an earlier start left them all in the persistent cache") if later else "")
         return elapsed
@@ -460,6 +461,22 @@ class ModelRunner:
                     record.touch()
                 except OSError as e:  # a read-only cache: the next start just loads in the foreground
                     log.warning("warm-up: cannot leave a record in %s: %s", record.parent, e)
+
+    def _compile_in_background(self, groups, cache, swaps: bool) -> None:
+        self._compile_steps(groups, cache, threads=1, progress=False)
+        if swaps and not self._stop_background.is_set():
+            self._compile_swaps(cache)
+
+    def _compile_swaps(self, cache) -> None:
+        """The swap copies of every size, ahead of time (_warm_swaps runs them instead: it must not run
+        beside the steps, which donate the cache)."""
+        for n in self.buckets.swap_blocks:
+            ids = jax.ShapeDtypeStruct((n,), jnp.int32)
+            blocks = tuple(jax.ShapeDtypeStruct((pages.shape[0], n, *pages.shape[2:]), pages.dtype,
+                                                sharding=self.device_sharding) for pages in cache)
+            with jax.set_mesh(self.mesh):
+                _gather_blocks.lower(cache, ids).compile()
+                _scatter_blocks.lower(cache, ids, blocks).compile()
 
     def _warm_swaps(self):
         for n in self.buckets.swap_blocks:

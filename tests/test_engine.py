@@ -151,27 +151,30 @@ def _random_engine(num_layers: int, **config) -> LLMEngine:
 
 def test_a_warm_start_loads_every_program_after_it_returns(tmp_path, monkeypatch):
     """With the persistent compilation cache on, each sampler's compiled programs leave a record; a later lazy
-    start of the same engine finds the records and compiles nothing before it returns (the programs load
-    on the thread, and then nothing compiles); any change to what the programs depend on (here: Ferry's
-    source) misses the record, and the greedy programs compile first again."""
+    start of the same engine finds the records and compiles nothing before it returns (the step programs and
+    the swap copies load on the thread, and then nothing compiles, swaps included); any change to what the
+    programs depend on (here: Ferry's source) misses the record, and the greedy programs compile first again."""
     monkeypatch.setattr(runner_module, "warm_records_dir", lambda: tmp_path)
-    first = _random_engine(2, warmup="lazy")
+    config = dict(warmup="lazy", preemption_mode="swap")
+    first = _random_engine(2, **config)
     programs = len(first.runner.buckets.step_layouts())
     assert first.runner.warmup_split == (programs, programs)
     first.runner.wait_for_warmup()
     assert len(list(tmp_path.iterdir())) == 2  # one record per sampler
     counter = CompileCounter.install()
-    warm = _random_engine(2, warmup="lazy")
+    warm = _random_engine(2, **config)
     assert warm.runner.warmup_split == (0, 2 * programs)
     warm.runner.wait_for_warmup()
     before = counter.count
-    for i in range(4):
-        warm.add_request(None, list(range(3, 3 + 5 * i + 1)), SamplingParams(temperature=float(i % 2), max_tokens=3))
+    for i in range(4):  # 4 x up to 8 blocks of 8 tokens in 24 blocks: swaps
+        prompt = list(range(3, 3 + 16 + 3 * i))
+        warm.add_request(None, prompt, SamplingParams(temperature=float(i % 2), max_tokens=40, ignore_eos=True))
     while warm.has_unfinished():
         warm.step()
-    assert counter.count == before
+    assert warm.scheduler.num_preemptions["swap"] > 0
+    assert counter.count == before, f"{counter.count - before} compilations after a warm start's warm-up"
     monkeypatch.setattr(runner_module, "ferry_source_hash", lambda: "edited")
-    edited = _random_engine(2, warmup="lazy")
+    edited = _random_engine(2, **config)
     assert edited.runner.warmup_split == (programs, programs)
     edited.runner.wait_for_warmup()
 
