@@ -415,15 +415,17 @@ class ModelRunner:
     def _warm_record(self, programs) -> pathlib.Path | None:
         """A file in JAX's persistent compilation cache that a finished compile of exactly `programs`
         (layout, sampler) leaves there, so the next start knows they load from it; None when the cache is
-        off. A stale one (the cache emptied by hand) only costs compiles after serving starts. Its name hashes everything the compiled programs depend on: jax and jaxlib, Ferry's source, the
-        model's config and parameter shapes, the cache's, the attention kernel, the devices, XLA_FLAGS."""
+        off. A stale one (the cache emptied by hand) only costs compiles after serving starts. Its name
+        hashes everything the compiled programs depend on: jax and jaxlib, Ferry's source, the model's
+        config and parameter shapes, the cache's (block size included), the attention kernel, the
+        devices, XLA_FLAGS."""
         records = warm_records_dir()
         if records is None:
             return None
         arrays = lambda tree: [(jax.tree_util.keystr(path), a.shape, str(a.dtype), str(a.sharding))  # noqa: E731
                                for path, a in jax.tree_util.tree_leaves_with_path(tree)]
         key = repr((jax.__version__, jaxlib.__version__, ferry_source_hash(), self.model.cfg, arrays(self.model.state),
-                    arrays(self.kv_cache), programs, self.attention_impl, self.block_size,
+                    arrays(self.kv_cache), programs, self.attention_impl,
                     [(d.platform, d.device_kind) for d in self.mesh.devices.flat], os.environ.get("XLA_FLAGS")))
         return records / hashlib.sha256(key.encode()).hexdigest()
 

@@ -171,7 +171,7 @@ class SentencePieceTokenizer(Tokenizer):
     special_pattern: re.Pattern | None  # matches the text of any special piece
     # ids -> str: sentencepiece's C++ method where this version exposes it. Its Python `decode` spends twice
     # the C++ call's time sorting out its input types, on the detokenizer's hot path (3.7 vs 7.9 us a window).
-    decode_ids: Any = None
+    decode_ids: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         native = getattr(getattr(self.processor, "_processor", None), "_DecodeIds", None)
