@@ -63,13 +63,14 @@ class DataParallelEngine:
     # -------------------------------------------------------------- requests
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None, *, cache_salt: str | None = None) -> str:
+                    params: SamplingParams | None = None, *, cache_salt: str | None = None,
+                    final_only: bool = False) -> str:
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._replica_of:
             raise ValueError(f"request {request_id!r}: duplicate request id")
         replica = min(self.replicas, key=lambda r: (r.num_requests, -r.scheduler.block_pool.num_free))
-        replica.add_request(request_id, prompt, params, cache_salt=cache_salt)
+        replica.add_request(request_id, prompt, params, cache_salt=cache_salt, final_only=final_only)
         self._replica_of[request_id] = replica
         return request_id
 

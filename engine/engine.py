@@ -200,10 +200,14 @@ class LLMEngine:
     # -------------------------------------------------------------- requests
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None, *, cache_salt: str | None = None) -> str:
+                    params: SamplingParams | None = None, *, cache_salt: str | None = None,
+                    final_only: bool = False) -> str:
         """Queue a request (a prompt string, or token ids); returns its id. Bad input raises ValueError
         (SamplingParamsError for a bad parameter, naming the field) and changes nothing. Requests share
-        cached prompt blocks only when their `cache_salt`s are equal (None: the common namespace)."""
+        cached prompt blocks only when their `cache_salt`s are equal (None: the common namespace).
+        `final_only`: step() returns no delta for it until it finishes, and then one with all of its output (as
+        vLLM's RequestOutputKind.FINAL_ONLY): for callers that read only final outputs, it saves the output
+        side rendering a delta per request per step."""
         params = params or SamplingParams()
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise SamplingParamsError("cache_salt", f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -226,7 +230,8 @@ class LLMEngine:
             ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, params=params,
             seed=(base_seed + index) % MAX_SEED, cache_salt=cache_salt,
             grammar=grammar.matcher() if grammar is not None else None) for index in range(params.n)]
-        self.outputs.register(request_id, text, prompt_ids, params, stop_token_ids)  # raises on bad stop strings
+        self.outputs.register(request_id, text, prompt_ids, params, stop_token_ids,  # raises on bad stop strings
+                              final_only=final_only)
         try:
             self.scheduler.add(requests[0])  # raises (changing nothing) if it can never fit
         except Exception:
@@ -364,9 +369,9 @@ class LLMEngine:
         errors = {group_id: self._fail_group(group_id, error) for group_id, error in failed.items()
                   if group_id in self._groups}
         self.scheduler.postprocess(plan, out.tokens)
-        news = StepNews(self._sample_news(plan, out), self._prompt_logprobs_news(out), errors, self.last_step_trace(),
-                        time.monotonic())
-        self._fork_and_retire(plan, news)
+        samples, finished_groups = self._sample_news(plan, out)
+        news = StepNews(samples, self._prompt_logprobs_news(out), errors, self.last_step_trace(), time.monotonic())
+        self._fork_and_retire(plan, finished_groups | errors.keys())
         t3 = time.perf_counter()
         times = self.step_times
         times["schedule_s"] += t1 - t0
@@ -375,28 +380,29 @@ class LLMEngine:
         times["steps"] += 1
         return news
 
-    def _sample_news(self, plan, out: RunnerOutput) -> list[SampleNews]:
-        """Each sample that gained a token this step (postprocess appended it). O(this step's requests)."""
-        news, groups, logprobs = [], self._groups, out.logprobs
+    def _sample_news(self, plan, out: RunnerOutput) -> tuple[list[SampleNews], set[str]]:
+        """Each sample that gained a token this step (postprocess appended it), but for groups that failed
+        this step or were aborted; and the groups of those that finished. O(this step's requests), as
+        comprehensions: this runs over the whole batch every step."""
+        groups, logprobs = self._groups, out.logprobs
+        news = []
         for requests in ([chunk.request for chunk in plan.prefills if chunk.samples], plan.decodes):
-            for request in requests:
-                group = groups.get(request.group_id)
-                if group is None or group.error is not None:  # failed this step, or aborted
-                    continue
-                news.append(SampleNews(request.group_id, request.sample_index, request.output_token_ids[-1],
-                                       logprobs.get(request.request_id) if logprobs else None, request.finish_reason))
-        return news
+            news += [(r.group_id, r.sample_index, r.output_token_ids[-1],
+                      logprobs.get(r.request_id) if logprobs else None, r.finish_reason)
+                     for r in requests if (group := groups.get(r.group_id)) is not None and group.error is None]
+        return news, {n[0] for n in news if n[4] is not None}
 
     def _prompt_logprobs_news(self, out: RunnerOutput) -> dict[str, list]:
         return {request_id.rpartition("#")[0]: scores for request_id, scores in out.prompt_logprobs.items()}
 
-    def _fork_and_retire(self, plan, news: StepNews) -> None:
-        """Fork groups whose first sample's prompt is in; drop the groups that finished."""
+    def _fork_and_retire(self, plan, ended: set[str]) -> None:
+        """Fork groups whose first sample's prompt is in; drop the `ended` groups (a sample finished, or the
+        group failed) once every sample has finished."""
         for chunk in plan.prefills:
             group = self._groups.get(chunk.request.group_id)
             if group is not None and group.unforked and chunk.request is group.requests[0]:
                 self._fork(group)
-        for group_id in {n.request_id for n in news.samples if n.finish_reason is not None} | news.errors.keys():
+        for group_id in ended:
             self._retire(group_id)
 
     def _fork(self, group: _Group):
@@ -509,7 +515,7 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p))
+                ids.append(engine.add_request(None, prompt, p, final_only=True))
         except Exception:
             for rid in ids:  # all or nothing: a bad prompt leaves no half-queued batch behind
                 engine.abort(rid)

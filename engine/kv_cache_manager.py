@@ -89,11 +89,13 @@ class KVCacheManager:
 
     def needs_decode_slot(self, request: Request) -> bool:
         """A decoding request (or one resuming to decode) whose next position starts a new block."""
-        return not request.in_prefill and self.next_position_needs_block(request)
+        return not request.in_prefill and self.blocks_for(request.num_tokens) > self.num_blocks(request)
 
-    def next_position_needs_block(self, request: Request) -> bool:
-        """needs_decode_slot for a request known to be decoding (the scheduler's per-step hot path)."""
-        return self.blocks_for(request.num_tokens) > self.num_blocks(request)
+    def decode_slot_takers(self, decoders: list[Request]) -> list[Request]:
+        """needs_decode_slot over running decoders (known past their prefill, no host blocks): the scheduler's
+        per-step pass over the whole batch, so one comparison each."""
+        bs = self.block_size
+        return [r for r in decoders if len(r.block_ids) * bs < r.num_tokens]
 
     # -------------------------------------------------------------- admission
 
@@ -140,10 +142,14 @@ class KVCacheManager:
         changed) when they don't fit."""
         return self._allocate(request, self.blocks_for(request.prefill_target) - len(request.block_ids))
 
-    def allocate_decode_slot(self, request: Request) -> list[int] | None:
-        """The block for the request's next decode position ([] when its last block has room); None
-        (nothing changed) when it doesn't fit."""
-        return self._allocate(request, int(self.needs_decode_slot(request)))
+    def allocate_decode_slots(self, decoders: list[Request]) -> bool:
+        """One block each for running decoders whose next position starts one (decode_slot_takers), taken in
+        one pool call; False (nothing changed) when they don't all fit."""
+        if len(decoders) > self.device_pool.num_free:
+            return False
+        for request, block_id in zip(decoders, self.device_pool.allocate(len(decoders))):
+            request.block_ids.append(block_id)
+        return True
 
     def _allocate(self, request: Request, n: int) -> list[int] | None:
         if n > self.device_pool.num_free:

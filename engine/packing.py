@@ -107,31 +107,37 @@ class DecodeRows:
     def sync(self, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Bring the rows up to date with `requests` (this step's decoders; any other request's row is
         released). Returns, in order, their rows, positions (num_tokens - 1) and input tokens (the last ones):
-        i64[len(requests)] each, gathered in the same one pass."""
+        i64[len(requests)] each. Comprehensions, not one loop: each pass is a C loop over the batch, together
+        half the cost of one Python loop doing it all."""
+        row_of = self._row_of
+        rows = [row_of.get(r.request_id) for r in requests]
+        if None in rows or len(row_of) > len(rows):  # a request started (or resumed) decoding, or one left
+            self._assign_rows(requests)
+            rows = [row_of[r.request_id] for r in requests]
+        mirrored, lengths = self._mirrored, self._lengths
+        for row, ids in [(row, r.block_ids) for row, r in zip(rows, requests)
+                         if mirrored[row] is not r.block_ids or len(r.block_ids) != lengths[row]]:
+            copied = lengths[row]
+            if mirrored[row] is not ids:
+                self._release(row)
+                mirrored[row], copied = ids, 0
+                self.num_row_copies += 1
+            self.tables[row, copied:len(ids)] = ids[copied:]
+            lengths[row] = len(ids)
+        positions = np.array([r.num_tokens for r in requests], np.int64) - 1
+        tokens = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in requests]
+        return np.array(rows, np.int64), positions, np.array(tokens, np.int64)
+
+    def _assign_rows(self, requests) -> None:
+        """Release the rows of requests not in `requests`, then give a row to each that has none."""
         wanted = {r.request_id for r in requests}
         for rid in [rid for rid in self._row_of if rid not in wanted]:
             row = self._row_of.pop(rid)
             self._release(row)
             self._free_rows.append(row)
-        rows, positions, tokens = [], [], []
-        row_of, mirrored, lengths, tables = self._row_of, self._mirrored, self._lengths, self.tables
         for r in requests:
-            row = row_of.get(r.request_id)
-            if row is None:
-                row = row_of[r.request_id] = self._free_rows.pop()
-            ids, copied = r.block_ids, lengths[row]
-            if mirrored[row] is not ids:
-                self._release(row)
-                mirrored[row], copied = ids, 0
-                self.num_row_copies += 1
-            if len(ids) > copied:
-                tables[row, copied:len(ids)] = ids[copied:]
-                lengths[row] = len(ids)
-            rows.append(row)
-            outputs = r.output_token_ids  # Request.num_tokens and last_token_id, without two property calls
-            positions.append(len(r.prompt_token_ids) + len(outputs) - 1)
-            tokens.append(outputs[-1] if outputs else r.prompt_token_ids[-1])
-        return np.array(rows, np.int64), np.array(positions, np.int64), np.array(tokens, np.int64)
+            if r.request_id not in self._row_of:
+                self._row_of[r.request_id] = self._free_rows.pop()
 
     def _release(self, row: int) -> None:
         self.tables[row, :self._lengths[row]] = NULL_BLOCK

@@ -42,8 +42,23 @@ class Request:
     grammar: Any = None
     # The runner's cache of "params need the full sampler" (randomness, penalties, logprobs): None until asked
     needs_full_sampler: bool | None = None
+    # The runner's cache of "every row of this request is plain argmax" (no full sampler, min_tokens or
+    # grammar): None until asked; lets a step skip the per-row question for nearly every row
+    plain_argmax: bool | None = None
     # Hashes of the full blocks of all_token_ids, computed lazily by the KV cache manager: [n_hashed] x 32 bytes
     block_hashes: list[bytes] = field(default_factory=list)
+    # len(prompt) + len(outputs), kept by append_output: read for every running request several times a step,
+    # where a property's two len() calls and its call cost add up (Scheduler.check_invariants checks it)
+    num_tokens: int = field(init=False)
+
+    def __post_init__(self):
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def append_output(self, token: int, max_model_len: int) -> str | None:
+        """Add an output token (the one way one is added); returns check_stop's finish reason or None."""
+        self.output_token_ids.append(token)
+        self.num_tokens += 1
+        return self.check_stop(token, max_model_len)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -63,10 +78,6 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
     def prefill_target(self) -> int:
         """Tokens whose K/V must be cached before this request can decode: all but the last sampled token,
         which is the next decode input. A recompute-preempted request thus re-prefills prompt + outputs[:-1]
@@ -75,7 +86,8 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed_tokens < self.prefill_target
+        # prefill_target, inlined: asked for every running request every step
+        return self.num_computed_tokens < (self.num_tokens - 1 if self.output_token_ids else self.num_tokens)
 
     @property
     def is_finished(self) -> bool:

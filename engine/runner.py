@@ -61,10 +61,17 @@ def _wants_prompt_logprobs(request) -> bool:
 def _needs_full_sampler(request, history_len: int) -> bool:
     """Whether the request's row needs the full sampler (randomness, penalties, logprobs, banned ids, or
     a grammar's mask on a kept token: see ModelRunner._sampling_row), or plain argmax does."""
-    if request.needs_full_sampler is None:  # asked every step of every row: once per request is enough
+    if request.needs_full_sampler is None:  # once per request: its params don't change
         request.needs_full_sampler = request.params is not None and needs_full_sampler(request.params)
-    return (request.needs_full_sampler or bool(request.banned_token_ids)
+        request.plain_argmax = not (request.needs_full_sampler or request.min_tokens or request.grammar is not None)
+    return (request.needs_full_sampler or bool(request.min_tokens and request.banned_token_ids)
             or (request.grammar is not None and history_len == request.num_tokens))
+
+
+def _sampler_mode(rows) -> str:
+    """The sampler program for `rows` ((request, history_len) pairs): "full" if any row needs it, else "greedy".
+    Asked of every row of every step, so rows known to be plain argmax skip the question."""
+    return "full" if any(_needs_full_sampler(r, n) for r, n in rows if r.plain_argmax is not True) else "greedy"
 
 
 def _select_rows(sample, rows):
@@ -241,11 +248,11 @@ class ModelRunner:
 
     def _collect(self, requests, sample, out: "RunnerOutput"):
         tokens, logprob, top_ids, top_lp = sample
-        for i, (r, token) in enumerate(zip(requests, tokens.tolist())):
-            out.tokens[r.request_id] = token
-            if r.params is not None and r.params.logprobs is not None:
-                k = r.params.logprobs
-                out.logprobs[r.request_id] = (float(logprob[i]), list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
+        out.tokens.update(zip([r.request_id for r in requests], tokens.tolist()))
+        for i, r in [(i, r) for i, r in enumerate(requests)
+                     if r.plain_argmax is not True and r.params is not None and r.params.logprobs is not None]:
+            k = r.params.logprobs
+            out.logprobs[r.request_id] = (float(logprob[i]), list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
 
     def _sampling_row(self, request, history_len: int) -> SamplingRow:
         params = request.params or GREEDY
@@ -276,7 +283,7 @@ class ModelRunner:
         it has once this step is done) per sequence. Returns numpy (tokens, logprob, top_ids, top_logprobs)
         per logits row, and with `score_chunk` also that chunk's prompt logprobs."""
         t0 = time.perf_counter()
-        mode = "full" if any(_needs_full_sampler(r, n) for r, n in rows) else "greedy"
+        mode = _sampler_mode(rows)
         sampling_md = (build_sampling_metadata([self._sampling_row(r, n) for r, n in rows], layout.num_seqs,
                                                layout.width * self.block_size, self.model.cfg.vocab_size)
                        if mode == "full" else None)

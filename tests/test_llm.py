@@ -179,6 +179,16 @@ def test_stop_strings_and_streamed_text(text_model):
             assert delta.request_id == rid
             streamed += delta.outputs[0].text
     assert streamed == out.text
+    # A final-only request (as LLM.generate adds them): no delta until it finishes, then one with every
+    # sample's whole output.
+    engine.add_request("final", "hello world", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                              stop=[stop], n=2), final_only=True)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert [d.request_id for d in deltas] == ["final"] and deltas[0].finished
+    assert [(o.index, o.text, o.token_ids, o.finish_reason) for o in deltas[0].outputs] == [
+        (i, out.text, out.token_ids, "stop") for i in range(2)]
 
 
 @pytest.mark.parametrize("lag", [1, 2])

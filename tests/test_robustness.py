@@ -128,16 +128,17 @@ def test_top_k_beyond_vocabulary_is_no_filter(llm, prompts):
 
 
 def _poison(monkeypatch, bad_ids: set[str], after_tokens: int = 0):
-    """Make the runner fail whenever it prepares a row of a request in `bad_ids` with at least
-    `after_tokens` output tokens (a host-side fault inside the step)."""
-    original = runner_module._needs_full_sampler  # asked of every row of every step
+    """Make the runner fail whenever it runs a row of a request in `bad_ids` with at least `after_tokens`
+    output tokens (a host-side fault inside the step)."""
+    original = runner_module.ModelRunner._call  # every jitted call, with every row's request
 
-    def needs_full_sampler(request, history_len):
-        if request.group_id in bad_ids and request.num_output_tokens >= after_tokens:
-            raise RuntimeError(f"injected fault for {request.request_id}")
-        return original(request, history_len)
+    def call(self, buf, layout, rows, score_chunk=None):
+        for request, _ in rows:
+            if request.group_id in bad_ids and request.num_output_tokens >= after_tokens:
+                raise RuntimeError(f"injected fault for {request.request_id}")
+        return original(self, buf, layout, rows, score_chunk)
 
-    monkeypatch.setattr(runner_module, "_needs_full_sampler", needs_full_sampler)
+    monkeypatch.setattr(runner_module.ModelRunner, "_call", call)
 
 
 @pytest.mark.parametrize("after_tokens", [0, 5])

@@ -125,8 +125,7 @@ def reference(spec: Spec, max_model_len: int) -> tuple[list[int], str]:
     r = spec.build()
     while True:
         token = fake_model(r.all_token_ids)
-        r.output_token_ids.append(token)
-        if reason := r.check_stop(token, max_model_len):
+        if reason := r.append_output(token, max_model_len):
             return r.output_token_ids, reason
 
 
@@ -286,23 +285,23 @@ def test_config_validation():
 
 def test_check_stop():
     r = Request("a", [1, 2], max_tokens=4, eos_token_ids=(9,), stop_token_ids=(5,), min_tokens=2)
-    r.output_token_ids.append(9)
+    r.append_output(9, 100)
     assert r.check_stop(9, 100) is None  # min_tokens not met yet
-    r.output_token_ids.append(9)
+    r.append_output(9, 100)
     assert r.check_stop(9, 100) == "stop"
     assert r.check_stop(5, 100) == "stop"
     assert r.check_stop(3, 100) is None
     assert r.check_stop(3, 4) == "length"  # num_tokens reached max_model_len
     r.ignore_eos = True
     assert r.check_stop(9, 100) is None and r.check_stop(5, 100) == "stop"
-    r.output_token_ids += [3, 3]
-    assert r.check_stop(3, 100) == "length"  # max_tokens
+    r.append_output(3, 100)
+    assert r.append_output(3, 100) == "length"  # max_tokens
 
 
 def test_prefill_target_keeps_last_output_for_decode():
     r = Request("a", [1, 2, 3], max_tokens=5)
     assert r.prefill_target == 3 and r.in_prefill
-    r.output_token_ids += [4, 5]
+    r.append_output(4, 100), r.append_output(5, 100)
     assert r.prefill_target == 4  # re-prefill prompt + outputs[:-1], then decode the last output
     r.num_computed_tokens = 4
     assert not r.in_prefill
