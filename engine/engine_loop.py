@@ -325,8 +325,12 @@ class EngineLoop:
 
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
+            if not self.engine.abort(request_id):
+                # It finished in the core already (its client hung up meanwhile): the output thread records
+                # that finish and stops tracking it, as for any request, so each sample counts once.
+                continue
             tracked = self._tracked.pop(request_id, None)
-            if self.engine.abort(request_id) and tracked is not None:
+            if tracked is not None:
                 for _ in range(tracked.num_samples - tracked.num_finished_samples):
                     self.metrics.record_finished_sample("abort")
 

@@ -15,6 +15,8 @@ engine died (so a supervisor restarts it), 2 for bad flags or values.
 """
 
 import asyncio
+import concurrent.futures
+import importlib
 import json
 import logging
 import os
@@ -28,7 +30,7 @@ from absl import app, flags
 from engine import cli_flags, multihost
 from engine.data_parallel import make_engine
 from engine.engine import freeze_startup_heap
-from engine.server import ServerConfig, build_app
+from engine.server_config import ServerConfig
 
 FLAGS = flags.FLAGS
 
@@ -124,6 +126,10 @@ def run(argv: list[str]):
         cli_flags.exit_usage_error(f"unexpected arguments {argv[1:]}")
     cli_flags.quiet_absl_logging()  # JAX's backend probing stays quiet; Ferry's own lines do not
     logging.getLogger("ferry").setLevel(logging.INFO)
+    # The server's imports (FastAPI, the API models: about a second) load beside the model and the engine.
+    importer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="server-import")
+    server_module = importer.submit(importlib.import_module, "engine.server")
+    importer.shutdown(wait=False)
     try:
         model_dir = cli_flags.resolve_model_dir(FLAGS.model)
         engine_config = cli_flags.engine_config_from_flags()
@@ -147,7 +153,7 @@ def run(argv: list[str]):
     uvicorn_config = uvicorn.Config(None, host=FLAGS.host, port=FLAGS.port, log_level="info",
                                     timeout_graceful_shutdown=5)
     server = FerryServer(uvicorn_config, banner(config, FLAGS.host, FLAGS.port))
-    uvicorn_config.app = build_app(engine, config, on_fatal=server.on_engine_death)
+    uvicorn_config.app = server_module.result().build_app(engine, config, on_fatal=server.on_engine_death)
     try:
         server.run()
     except KeyboardInterrupt:  # a second Ctrl-C stopped it at once: exit quietly

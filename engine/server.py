@@ -21,7 +21,6 @@ Endpoints: POST /v1/completions, /v1/chat/completions (both with `stream`, and v
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import secrets
 import time
@@ -41,6 +40,7 @@ from engine.engine import LLMEngine
 from engine.engine_loop import AdmissionControl, EngineLoop, OutputStream
 from engine.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.server_config import ServerConfig  # noqa: F401 (re-exported: engine.server.ServerConfig)
 from models.tokenizer import ChatTemplateError
 
 log = logging.getLogger("ferry.server")
@@ -52,19 +52,6 @@ UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics"})
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "chat_template", "tools"})
 PROMPT_CHARS_PER_TOKEN = 64    # default --max_prompt_chars = this x max_model_len: longer can never fit
 TEXT_WORKERS = 2               # threads that tokenize and render chat templates off the event loop
-
-
-@dataclasses.dataclass(slots=True)
-class ServerConfig:
-    served_model_name: str
-    api_key: str | None = None         # None: no authentication
-    max_waiting: int | None = None     # requests admitted but not yet generating; None: unbounded
-    log_interval_s: float = 5.0
-    max_request_bytes: int = 16 << 20  # request bodies past this are a 413
-    max_prompt_chars: int | None = None  # checked before tokenizing; None: PROMPT_CHARS_PER_TOKEN x max_model_len
-    max_stop_strings: int = 64         # each is matched against every streamed token's text
-    max_stop_chars: int = 1024         # per stop string
-    shutdown_timeout_s: float = 30.0   # on SIGTERM, how long running requests may go on finishing
 
 
 async def _until_disconnected(request: Request) -> None:
