@@ -149,19 +149,23 @@ class DecodeRows:
         equal to pack() over the same requests."""
         n = len(requests)
         rows, positions, tokens = self.sync(requests)
-        buf = np.zeros(layout.size, np.int32)
+        buf = np.empty(layout.size, np.int32)  # every field is written whole below: no zeroing pass first
         views = _split(buf, layout)
-        views["token_ids"][:n] = tokens
-        views["positions"][:n] = positions
         tables = views["block_tables"].reshape(layout.num_seqs, layout.width)
-        tables[:n] = self.tables[rows]
+        if n and rows[-1] - rows[0] == n - 1 and (n == 1 or (np.diff(rows) == 1).all()):
+            tables[:n] = self.tables[rows[0]:rows[0] + n]  # consecutive rows (the usual case): one block copy
+        else:
+            np.take(self.tables, rows, axis=0, out=tables[:n])
         tables[n:] = NULL_BLOCK
         bs = self.block_size
-        views["slot_mapping"][:n] = self.tables[rows, positions // bs] * bs + positions % bs
-        views["context_lens"][:n] = positions + 1
+        # Padding rows: token 0 at position 0, writing into the null block's slot 0, attending to nothing.
+        for name, values in (("token_ids", tokens), ("positions", positions), ("context_lens", positions + 1),
+                             ("slot_mapping", self.tables[rows, positions // bs] * bs + positions % bs),
+                             ("logits_indices", np.arange(n))):
+            views[name][:n] = values
+            views[name][n:] = 0
         views["query_start_loc"][:n + 1] = np.arange(n + 1)
         views["query_start_loc"][n + 1:] = n
-        views["logits_indices"][:n] = np.arange(n)
         return buf
 
 
