@@ -55,9 +55,9 @@ def placement(llm) -> dict:
             "kv_shape": list(cache[0].shape), "num_kv_heads": llm.engine.model.cfg.num_kv_heads}
 
 
-def main(job_path, out_path):
-    job = json.load(open(job_path))
-    out = {"tp": {}, "preempt": {}, "hlo": {}, "placement": {}, "dp": {}}
+def tensor_parallel(job) -> dict:
+    """Every model at every TP size; the inspected one's collectives and placement at TP > 1."""
+    out = {"tp": {}, "hlo": {}, "placement": {}}
     for arch, model_dir in job["models"].items():
         for tp in job["tp_sizes"]:
             llm, tokens = greedy(job, model_dir, tensor_parallel_size=tp)
@@ -65,12 +65,24 @@ def main(job_path, out_path):
             if arch == job["inspect_arch"] and tp > 1:
                 out["hlo"][str(tp)] = collectives(llm)
                 out["placement"][str(tp)] = placement(llm)
+    return out
+
+
+def preemption(job) -> dict:
+    """TP 2 in a cache too small for the prompts at once, under each preemption mode."""
+    out = {"preempt": {}}
     model_dir = job["models"][job["inspect_arch"]]
     for mode in ("swap", "recompute"):
         llm, tokens = greedy(job, model_dir, tensor_parallel_size=2, num_blocks=job["tight_num_blocks"],
                              preemption_mode=mode)
         out["preempt"][mode] = {"tokens": tokens, "preemptions": llm.engine.stats()["preemptions"]}
-    # Data parallel: a mixed greedy / seeded-sampling workload, one replica against two.
+    return out
+
+
+def data_parallel(job) -> dict:
+    """A mixed greedy / seeded-sampling workload, one replica against two (of one and of two devices)."""
+    out = {"dp": {}}
+    model_dir = job["models"][job["inspect_arch"]]
     rng = np.random.default_rng(job["seed"])
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, top_p=0.95, seed=int(rng.integers(1 << 30)),
                              max_tokens=int(rng.integers(4, job["max_tokens"])), ignore_eos=True)
@@ -83,6 +95,19 @@ def main(job_path, out_path):
                                    "replica_steps": [s["step"] for s in stats.get("replicas", [stats])],
                                    "replica_queries": [s["prefix_cache_requests"] for s in
                                                        stats.get("replicas", [stats])]}
+    return out
+
+
+SECTIONS = {"tensor_parallel": tensor_parallel, "preemption": preemption, "data_parallel": data_parallel}
+
+
+def main(job_path, out_path):
+    """Runs the job's "sections" (names in SECTIONS); the test runs two drivers side by side, on the
+    machine's two cores (each is mostly single-threaded XLA compiles)."""
+    job = json.load(open(job_path))
+    out = {}
+    for section in job["sections"]:
+        out |= SECTIONS[section](job)
     json.dump(out, open(out_path, "w"))
 
 

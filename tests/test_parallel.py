@@ -40,9 +40,14 @@ def _fresh_seed():
     return int(np.random.SeedSequence().entropy % 2**31)
 
 
+# The driver's sections, split over two processes that run side by side (the data-parallel runs compile both
+# samplers' programs on every replica's devices: about as long as all the rest).
+DRIVER_PARTS = (("tensor_parallel", "preemption"), ("data_parallel",))
+
+
 @pytest.fixture(scope="module")
 def parallel_run(tmp_path_factory):
-    """Every architecture at TP 1/2/4, forced preemption at TP 2, DP 2, in one 4-device child process."""
+    """Every architecture at TP 1/2/4, forced preemption at TP 2, DP 2, in 4-device child processes."""
     seed = _fresh_seed()
     rng = np.random.default_rng(seed)
     root = tmp_path_factory.mktemp("parallel")
@@ -53,14 +58,24 @@ def parallel_run(tmp_path_factory):
            # 3 prompts of up to 52 tokens need 14 blocks of 8 at once; 9 usable ones force preemption
            "tight_num_blocks": 10,
            "dp_prompts": [rng.integers(3, 384, size=int(rng.integers(3, 50))).tolist() for _ in range(10)]}
-    job_path, out_path = root / "job.json", root / "out.json"
-    job_path.write_text(json.dumps(job))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "multidevice_driver.py"), str(job_path),
-                           str(out_path)], env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
-                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    refs = {arch: [hf_greedy(model, p, MAX_TOKENS) for p in prompts] for arch, model in models.items()}
-    return seed, job, json.loads(out_path.read_text()), refs
+    env = _env(XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4")
+    procs = []
+    try:
+        for i, sections in enumerate(DRIVER_PARTS):
+            (root / f"job{i}.json").write_text(json.dumps({**job, "sections": sections}))
+            procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "multidevice_driver.py"),
+                                           str(root / f"job{i}.json"), str(root / f"out{i}.json")], env=env,
+                                          stdout=open(root / f"driver{i}.log", "w"), stderr=subprocess.STDOUT))
+        refs = {arch: [hf_greedy(model, p, MAX_TOKENS) for p in prompts] for arch, model in models.items()}
+        for i, proc in enumerate(procs):
+            assert proc.wait(CHILD_TIMEOUT_S) == 0, (root / f"driver{i}.log").read_text()[-4000:]
+    finally:
+        for proc in procs:
+            proc.kill()
+    out = {}
+    for i in range(len(DRIVER_PARTS)):
+        out |= json.loads((root / f"out{i}.json").read_text())
+    return seed, job, out, refs
 
 
 def _check(tokens, refs, what):
