@@ -61,10 +61,11 @@ def layer_pool(pages: jax.Array) -> jax.Array:
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
     """Scatter this step's k/v [T, Hkv, D] into their slots. Under a donated cache XLA does it in place."""
-    if k_pages.dtype.itemsize == 2 and jax.default_backend() == "cpu" and native.available():
-        # XLA CPU widens a 16-bit float scatter to float32 over the whole pool (every layer's pages,
-        # converted and copied, per layer and step: 5x slower decode at 4 layers); the native write
-        # copies only the T rows, in place.
+    if jax.default_backend() == "cpu" and native.available():
+        # XLA CPU copies the whole pool (every layer's pages, per layer and step) where its scatter is
+        # not in place: a 16-bit float scatter is widened to float32 (5x slower decode at 4 layers),
+        # and a one-token step's scatter becomes a dynamic-update-slice behind a copy of the pool
+        # (batch-1 decode). The native write copies only the T rows, in place.
         return native.kv_write(k_pages, k, slot_mapping), native.kv_write(v_pages, v, slot_mapping)
     num_blocks, block_size = k_pages.shape[:2]
 

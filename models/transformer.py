@@ -8,6 +8,7 @@ traces and compiles one layer, so start-up cost does not grow with depth. The fo
 it writes this step's K/V into the cache and attends through block tables (models/paged.py).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -285,7 +286,30 @@ class Transformer(nnx.Module):
         return jax.lax.scan(body, carry, (stacked, xs, jnp.arange(num_layers, dtype=jnp.int32)))[0]
 
 
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class StaticGraphDef:
+    """A model's nnx.GraphDef as a jit static argument, hashed once. jax hashes static arguments on every
+    call, and a GraphDef rehashes all its nodes each time (~0.2 ms of every step for a Llama)."""
+
+    graphdef: nnx.GraphDef
+    hash: int
+
+    @classmethod
+    def of(cls, graphdef: nnx.GraphDef) -> "StaticGraphDef":
+        return cls(graphdef, hash(graphdef))
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, StaticGraphDef) and self.hash == other.hash
+                                 and self.graphdef == other.graphdef)
+
+
 def forward(graphdef, state, kv_cache, token_ids, positions, md, logits_indices, attention_impl=None):
-    """The pure function the engine jits: the split model state in, logits and the new cache out."""
+    """The pure function the engine jits: the split model state in, logits and the new cache out.
+    `graphdef`: an nnx.GraphDef or a StaticGraphDef."""
+    if isinstance(graphdef, StaticGraphDef):
+        graphdef = graphdef.graphdef
     model = nnx.merge(graphdef, state)
     return model(kv_cache, token_ids, positions, md, logits_indices, attention_impl)

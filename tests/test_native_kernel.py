@@ -263,8 +263,9 @@ def test_build_from_source_and_stale_check(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- stacked matmul
 
-STACKED_MATMUL_SHAPES = [  # (M, K, N): odd sizes, one row, panels of 64 columns and their tails
-    (1, 1, 1), (1, 576, 1728), (5, 33, 70), (7, 129, 17), (16, 256, 1024), (13, 100, 129), (70, 64, 200)]
+STACKED_MATMUL_SHAPES = [  # (M, K, N): odd sizes, one row (1024-column chunks, 8 rows of w at a time, and
+    # their tails), panels of 64 columns and their tails
+    (1, 1, 1), (1, 576, 1728), (1, 37, 1050), (5, 33, 70), (7, 129, 17), (16, 256, 1024), (13, 100, 129), (70, 64, 200)]
 
 
 @pytest.mark.parametrize("generic", [False, True], ids=["avx512_if_present", "portable"])
@@ -289,6 +290,9 @@ def test_stacked_matmul_matches_dot(seed, generic, monkeypatch):
         serial = native.stacked_matmul(x, w, 1)
         monkeypatch.delenv("FERRY_NATIVE_ATTENTION_THREADS")
         np.testing.assert_array_equal(np.asarray(serial), np.asarray(native.stacked_matmul(x, w, 1)))
+        if m == 1:  # the one-row kernel sums as the panels do: a row's bits do not depend on the batch
+            pair = native.stacked_matmul(jnp.concatenate([x, x]), w, 1)
+            np.testing.assert_array_equal(np.asarray(serial)[0], np.asarray(pair)[1])
 
 
 def test_stacked_matmul_rejects_bad_inputs():

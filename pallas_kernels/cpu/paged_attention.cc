@@ -732,6 +732,12 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer pages, ffi::AnyBuffer updates, ffi::Buffer
 constexpr int64_t kPanelCols = 64;
 constexpr int kRowBlock = 6;
 constexpr int64_t kMatmulPrefetchRows = 16;
+// One row (a batch-1 decode step): x @ w is a matrix-vector product, bound by reading w from memory.
+// A work item is kMatvecCols columns; it streams kMatvecRows rows of w at once, each over those
+// columns (4 KiB runs the hardware prefetchers follow), into y, which stays in L1. Each column's sum
+// runs over k in order with one FMA per term, as the panels do: the same bits as they give.
+constexpr int64_t kMatvecCols = 1024;
+constexpr int kMatvecRows = 8;
 
 struct Matmul {
   const float* x;  // [M, K]
@@ -823,6 +829,40 @@ constexpr const MatmulTileFn* kMatmulTiles[2][kRowBlock] = {
     {kMatmulTilesOfRows<1, true>, kMatmulTilesOfRows<2, true>, kMatmulTilesOfRows<3, true>,
      kMatmulTilesOfRows<4, true>, kMatmulTilesOfRows<5, true>, kMatmulTilesOfRows<6, true>}};
 
+// y[0, n0 : n0 + kMatvecCols] for a one-row x. ROWS rows of w from k0 (a vector of y at a time).
+template <int ROWS>
+FERRY_AVX512 void MatvecRowsAvx512(const Matmul& p, int64_t n0, int64_t vectors, __mmask16 tail, int64_t k0,
+                                   int rows) {
+  __m512 a[ROWS > 0 ? ROWS : kMatvecRows];
+  const int count = ROWS > 0 ? ROWS : rows;
+  for (int j = 0; j < count; ++j) a[j] = _mm512_set1_ps(p.x[k0 + j]);
+  const float* w = p.w + k0 * p.n + n0;
+  float* y = p.y + n0;
+  for (int64_t v = 0; v < vectors; ++v) {
+    const __mmask16 m = v == vectors - 1 ? tail : static_cast<__mmask16>(0xFFFF);
+    __m512 acc = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, y + 16 * v);
+    if (ROWS > 0) {
+      FERRY_UNROLL for (int j = 0; j < ROWS; ++j)
+        acc = _mm512_fmadd_ps(a[j], _mm512_maskz_loadu_ps(m, w + j * p.n + 16 * v), acc);
+    } else {
+      for (int j = 0; j < count; ++j)
+        acc = _mm512_fmadd_ps(a[j], _mm512_maskz_loadu_ps(m, w + j * p.n + 16 * v), acc);
+    }
+    _mm512_mask_storeu_ps(y + 16 * v, m, acc);
+  }
+}
+
+void MatvecChunkAvx512(const Matmul& p, int64_t n0) {
+  const int64_t cols = std::min(kMatvecCols, p.n - n0);
+  const int64_t vectors = (cols + 15) / 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (cols - 16 * (vectors - 1))) - 1u);
+  if (p.k == 0) return std::fill(p.y + n0, p.y + n0 + cols, 0.0f);
+  int64_t k0 = 0;
+  for (; k0 + kMatvecRows <= p.k; k0 += kMatvecRows)
+    MatvecRowsAvx512<kMatvecRows>(p, n0, vectors, tail, k0, kMatvecRows);
+  if (k0 < p.k) MatvecRowsAvx512<0>(p, n0, vectors, tail, k0, static_cast<int>(p.k - k0));
+}
+
 void MatmulPanelAvx512(const Matmul& p, int64_t n0) {
   const int64_t cols = std::min(kPanelCols, p.n - n0);
   const int64_t vectors = (cols + 15) / 16;
@@ -856,9 +896,12 @@ bool UseAvx512Matmul() { return false; }
 struct MatmulWork {
   const Matmul* problem;
   bool avx512;
+  bool matvec;  // avx512 and one row: kMatvecCols columns an item
+  int64_t PanelCols() const { return matvec ? kMatvecCols : kPanelCols; }
   static void Run(const void* self, int64_t panel) {
     const auto* w = static_cast<const MatmulWork*>(self);
 #ifdef FERRY_HAVE_AVX512_MATMUL
+    if (w->matvec) return MatvecChunkAvx512(*w->problem, panel * kMatvecCols);
     if (w->avx512) return MatmulPanelAvx512(*w->problem, panel * kPanelCols);
 #endif
     MatmulPanelGeneric(*w->problem, panel * kPanelCols);
@@ -879,8 +922,9 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x,
   const Matmul p{x.typed_data(), w.typed_data() + l * wd[1] * wd[2], y->typed_data(),
                  xd[0], xd[1], wd[2]};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  const MatmulWork work{&p, UseAvx512Matmul()};
-  const int64_t panels = (p.n + kPanelCols - 1) / kPanelCols;
+  const bool avx512 = UseAvx512Matmul();
+  const MatmulWork work{&p, avx512, avx512 && p.m == 1};
+  const int64_t panels = (p.n + work.PanelCols() - 1) / work.PanelCols();
   int64_t threads = pool.num_threads();
   const int env = MaxThreadsFromEnv();
   if (env > 0) threads = std::min<int64_t>(threads, env);
