@@ -390,7 +390,7 @@ class LLMEngine:
             news += [(r.group_id, r.sample_index, r.output_token_ids[-1],
                       logprobs.get(r.request_id) if logprobs else None, r.finish_reason)
                      for r in requests if (group := groups.get(r.group_id)) is not None and group.error is None]
-        return news, {n[0] for n in news if n[4] is not None}
+        return news, {group_id for group_id, *_, finish_reason in news if finish_reason is not None}
 
     def _prompt_logprobs_news(self, out: RunnerOutput) -> dict[str, list]:
         return {request_id.rpartition("#")[0]: scores for request_id, scores in out.prompt_logprobs.items()}

@@ -171,9 +171,9 @@ class OutputProcessor:
                 del self.groups[request_id]
             elif group.final_only:
                 continue
-            if group.final_only:  # its one delta holds every sample's whole output
-                samples = group.samples
-            deltas.append(self.render(group, samples, delta=True, finished=finished))
+            # A final-only request's one delta holds every sample's whole output.
+            deltas.append(self.render(group, group.samples if group.final_only else samples, delta=True,
+                                      finished=finished))
         return deltas
 
     @staticmethod

@@ -107,8 +107,8 @@ class DecodeRows:
     def sync(self, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Bring the rows up to date with `requests` (this step's decoders; any other request's row is
         released). Returns, in order, their rows, positions (num_tokens - 1) and input tokens (the last ones):
-        i64[len(requests)] each. Comprehensions, not one loop: each pass is a C loop over the batch, together
-        half the cost of one Python loop doing it all."""
+        i64[len(requests)] each. Several comprehensions, not one loop with appends and branches: together
+        half its cost at batch 512."""
         row_of = self._row_of
         rows = [row_of.get(r.request_id) for r in requests]
         if None in rows or len(row_of) > len(rows):  # a request started (or resumed) decoding, or one left

@@ -55,10 +55,14 @@ class Request:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def append_output(self, token: int, max_model_len: int) -> str | None:
-        """Add an output token (the one way one is added); returns check_stop's finish reason or None."""
+        """Add an output token (the one way one is added), finishing the request if it stops there; returns
+        check_stop's finish reason or None."""
         self.output_token_ids.append(token)
         self.num_tokens += 1
-        return self.check_stop(token, max_model_len)
+        reason = self.check_stop(token, max_model_len)
+        if reason is not None:
+            self.finish(reason)
+        return reason
 
     @property
     def all_token_ids(self) -> list[int]:

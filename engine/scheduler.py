@@ -289,8 +289,8 @@ class Scheduler:
                                    f"{request.num_computed_tokens} tokens are computed (plan applied twice?)")
             request.num_computed_tokens += chunk.length
             self.kv.publish_computed(request)  # its K/V are written now: later admissions may share them
-            if chunk.samples:
-                self._append_token(request, sampled[request.request_id], finished)
+            if chunk.samples and request.append_output(sampled[request.request_id], self.config.max_model_len):
+                finished.append(request)
         # The whole batch, every step: locals and no helper calls beyond the request's own
         publish, max_model_len, block_size = self.kv.publish_computed, self.config.max_model_len, self.config.block_size
         finished_status = RequestStatus.FINISHED
@@ -304,18 +304,9 @@ class Scheduler:
             request.num_computed_tokens = computed
             if computed % block_size == 0:  # one more token fills a block at most here
                 publish(request)
-            reason = request.append_output(sampled[request.request_id], max_model_len)
-            if reason is not None:
-                request.finish(reason)
+            if request.append_output(sampled[request.request_id], max_model_len):
                 finished.append(request)
         return finished
-
-    def _append_token(self, request: Request, token: int, finished: list[Request]) -> None:
-        """A prefill's sampled token (the decode loop above does the same inline)."""
-        reason = request.append_output(token, self.config.max_model_len)
-        if reason is not None:
-            request.finish(reason)
-            finished.append(request)
 
     # -------------------------------------------------------------- admission helpers
 
