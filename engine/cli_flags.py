@@ -59,7 +59,7 @@ def define_model_flags():
         return
     flags.DEFINE_string("model", DEFAULT_MODEL,
                         "model: a Hugging Face checkpoint directory (config.json + safetensors), a Ferry "
-                        "checkpoint (ferry_config.json + params/), a .gguf file, or a packaged model's short "
+                        "checkpoint (ferry_config.json + model.safetensors), a .gguf file, or a packaged model's short "
                         f"name ({', '.join(PACKAGED_MODELS)})")
 
 
@@ -113,7 +113,8 @@ def define_engine_flags():
                          "with depth (float32 CPU decode steps run as fast either way: a native matmul reads "
                          "the scanned layers' weights in place)")
     flags.DEFINE_enum("warmup", d.warmup, WARMUP_MODES, "compile step shapes at start-up: full (all, before "
-                      "serving), lazy (greedy ones first, the sampling ones in the background), none (each on "
+                      "serving), lazy (the largest greedy decode and prefill first, which every step can pad up to; the rest "
+                      "in the background), none (each on "
                       "first use); --nowarmup is --warmup=none")
 
 

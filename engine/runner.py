@@ -195,6 +195,9 @@ class ModelRunner:
         self._background: threading.Thread | None = None  # warm-up's background compiles, if any
         self.warmup_split = (0, 0)  # the last warm-up's step programs: (compiled before it returned, left to the thread)
         self._stop_background = threading.Event()
+        # While a cold lazy warm-up compiles on its thread: the (layout, sampler) programs compiled so far,
+        # which steps pad up to (layout_for). None: every program is there, or compiles when first used.
+        self._ready: set[tuple[StepLayout, str]] | None = None
         # Multi-host (engine/multihost.py): publish(op, args) tells the other processes to make the same
         # device call, `getattr(runner, op)(*args)`, so all enter the same programs in the same order.
         self.publish = None
@@ -231,10 +234,12 @@ class ModelRunner:
             self._run_prefill(plain[i:i + self.buckets.prefill_seqs], out, score=False)
         if decodes:
             t0 = time.perf_counter()
-            layout = self.layout_for(decodes, decode=True)
+            rows = [(r, r.num_tokens) for r in decodes]
+            mode = _sampler_mode(rows)
+            layout = self.layout_for(decodes, decode=True, mode=mode)
             buf = self.decode_rows.pack(decodes, layout)
             self.timings["pack_s"] += time.perf_counter() - t0
-            self._collect(decodes, self._call(buf, layout, [(r, r.num_tokens) for r in decodes]), out)
+            self._collect(decodes, self._call(buf, layout, rows, mode), out)
         return out
 
     @property
@@ -246,16 +251,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         seqs = [SeqSlice(c.request.all_token_ids[c.start:c.start + c.length], c.start, c.request.block_ids)
                 for c in chunks]
-        layout = self.layout_for(seqs, decode=False, all_logits=score)
+        rows = [(c.request, c.start + c.length) for c in chunks]
+        mode = _sampler_mode(rows)
+        layout = self.layout_for(seqs, decode=False, mode=mode, all_logits=score)
         buf = pack(seqs, layout, self.block_size, all_logits=score)
         self.timings["pack_s"] += time.perf_counter() - t0
-        rows = [(c.request, c.start + c.length) for c in chunks]
         if score:
             (chunk,) = chunks
-            sample, scores = self._call(buf, layout, rows, score_chunk=chunk)
+            sample, scores = self._call(buf, layout, rows, mode, score_chunk=chunk)
             out.prompt_logprobs.setdefault(chunk.request.request_id, []).extend(scores)
         else:
-            sample = self._call(buf, layout, rows)
+            sample = self._call(buf, layout, rows, mode)
         sampling = [c for c in chunks if c.samples]
         self._collect([c.request for c in sampling], _select_rows(sample, [chunks.index(c) for c in sampling]), out)
 
@@ -282,21 +288,33 @@ class ModelRunner:
         return SamplingRow(params, request.seed, request.num_output_tokens, history, prompt_len,
                            request.banned_token_ids, allowed)
 
-    def layout_for(self, seqs, decode: bool, all_logits: bool = False) -> StepLayout:
-        """The bucketed layout for `seqs` (SeqSlices; for a decode step anything with a length)."""
+    def layout_for(self, seqs, decode: bool, mode: str = "greedy", all_logits: bool = False) -> StepLayout:
+        """The bucketed layout for `seqs` (SeqSlices; for a decode step anything with a length) and the
+        sampler `mode`. While a cold lazy warm-up is still compiling (`_ready` is not None), the smallest
+        program already compiled that holds them, which may be a larger bucket than theirs: padding a step
+        costs less than compiling its program (~1 s) in it."""
         b = self.buckets
         if decode:
-            rows = b.pick(b.decode_batch, len(seqs))
-            return StepLayout(rows, rows, b.width, rows, decode=True)
-        tokens = b.pick(b.prefill_tokens, sum(len(s.token_ids) for s in seqs))
-        return StepLayout(tokens, b.prefill_seqs, b.width, tokens if all_logits else b.prefill_seqs, decode=False)
+            sizes, n = b.decode_batch, len(seqs)
+            make = lambda size: StepLayout(size, size, b.width, size, decode=True)  # noqa: E731
+        else:
+            sizes, n = b.prefill_tokens, sum(len(s.token_ids) for s in seqs)
+            make = lambda size: StepLayout(size, b.prefill_seqs, b.width,  # noqa: E731
+                                           size if all_logits else b.prefill_seqs, decode=False)
+        exact = b.pick(sizes, n)
+        ready = self._ready
+        if ready is not None and not all_logits:  # scored prompts' programs are never warmed: theirs
+            for size in sizes[sizes.index(exact):]:
+                if (make(size), mode) in ready:
+                    return make(size)
+        return make(exact)
 
-    def _call(self, buf, layout: StepLayout, rows, score_chunk=None):
+    def _call(self, buf, layout: StepLayout, rows, mode: str, score_chunk=None):
         """Run the jitted step on a packed buffer, fetch its (small) outputs. `rows`: (request, tokens
-        it has once this step is done) per sequence. Returns numpy (tokens, logprob, top_ids, top_logprobs)
-        per logits row, and with `score_chunk` also that chunk's prompt logprobs."""
+        it has once this step is done) per sequence; `mode`: their sampler (_sampler_mode). Returns numpy
+        (tokens, logprob, top_ids, top_logprobs) per logits row, and with `score_chunk` also that chunk's
+        prompt logprobs."""
         t0 = time.perf_counter()
-        mode = _sampler_mode(rows)
         sampling_md = (build_sampling_metadata([self._sampling_row(r, n) for r, n in rows], layout.num_seqs,
                                                layout.width * self.block_size, self.model.cfg.vocab_size)
                        if mode == "full" else None)
@@ -381,11 +399,15 @@ class ModelRunner:
 
     def _warmup(self, sampling: bool, background: bool) -> float:
         """Compile every step layout for the greedy sampler and, if `sampling`, for the full one too,
-        and every swap size. With `background` the full sampler's programs compile on a thread after
-        this returns (`wait_for_warmup` joins it; a sampled request that comes first compiles its own),
-        and so do the greedy ones and the swap copies when the persistent cache is known to hold them
-        (`_warm_record`): loading a program costs its trace, ~0.1-0.3 s, so a warm start serves at once and a
-        request that comes first loads its own program.
+        and every swap size.
+
+        With `background`, only the two greedy programs that can run any step (the largest decode batch,
+        the largest prefill) compile before this returns; steps pad up to the smallest program compiled so
+        far (layout_for), and the rest compile on a thread, smallest first (`wait_for_warmup` joins it): the
+        other greedy programs, the full sampler's (a sampled request that comes first compiles its own), the
+        swap copies. When the persistent cache is known to hold them all (`_warm_record`), nothing compiles
+        before this returns: loading a program costs its trace, ~0.1-0.3 s, so a warm start serves at once
+        and a request that comes first loads its own program.
 
         Ahead of time (lower + compile: nothing runs and the cache is not touched), on one thread per
         core: tracing holds the GIL, XLA's compile does not. Returns the seconds it took."""
@@ -393,17 +415,24 @@ class ModelRunner:
         layouts = self.buckets.step_layouts()
         groups = [[(layout, mode) for layout in layouts] for mode in (("greedy", "full") if sampling else ("greedy",))]
         groups = [(programs, self._warm_record(programs)) for programs in groups]
-        now, later = (groups[:1], groups[1:]) if background else (groups, [])
-        greedy_record = groups[0][1]
-        if background and greedy_record is not None and greedy_record.exists():
-            now, later = [], groups
+        now, later, self._ready = groups, [], None
+        if background:
+            (greedy, greedy_record), rest = groups[0], groups[1:]
+            if greedy_record is not None and greedy_record.exists():
+                now, later = [], groups
+            else:
+                largest = [(max((layout for layout in layouts if layout.decode == decode),
+                                key=lambda layout: layout.num_tokens), "greedy") for decode in (True, False)]
+                smaller = sorted([p for p in greedy if p not in largest], key=lambda program: program[0].num_tokens)
+                now, later = [(largest, None)], [(smaller, greedy_record), *rest]
+                self._ready = set(largest)
         # Shapes only: the background thread must not touch the cache, which steps donate meanwhile.
         cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_cache)
         self._compile_steps(now, cache, threads=os.cpu_count() or 1, progress=True)
-        if now:
+        if not background:
             self._warm_swaps()
         if later:
-            self._background = threading.Thread(target=self._compile_in_background, args=(later, cache, not now),
+            self._background = threading.Thread(target=self._compile_in_background, args=(later, cache),
                                                 name="ferry-warmup", daemon=True)
             self._stop_background.clear()
             # At exit, stop after the compile in progress: the interpreter must not finalize under it (an
@@ -414,9 +443,9 @@ class ModelRunner:
         elapsed = time.perf_counter() - t0
         count = lambda gs: sum(len(programs) for programs, _ in gs)  # noqa: E731
         self.warmup_split = (count(now), count(later))
-        log.info("warm-up: %d step programs (%d layouts x %d samplers) and %d swap sizes in %.1f s%s", count(now),
-                 len(layouts), len(now), len(self.buckets.swap_blocks) if now else 0, elapsed,
-                 f"; {count(later)} programs compiling in the background" + (
+        log.info("warm-up: %d step programs%s in %.1f s%s", count(now),
+                 "" if background else f" and {len(self.buckets.swap_blocks)} swap sizes", elapsed,
+                 f"; {count(later)} programs and the swap copies compiling in the background" + (
                      "" if now else ", where an earlier start left them all in the persistent cache") if later else "")
         return elapsed
 
@@ -462,6 +491,8 @@ class ModelRunner:
             with jax.set_mesh(self.mesh):  # per thread: the mesh context is thread-local
                 sample_step.lower(self.graphdef, m.state, cache, buf, sampling_md, layout, mode,
                                   self.attention_impl).compile()
+            if self._ready is not None:
+                self._ready.add(program)
 
         for programs, record in groups:
             if threads == 1:  # the background warm-up: stops early when asked (stop_background_warmup)
@@ -484,10 +515,14 @@ class ModelRunner:
                 except OSError as e:  # a read-only cache: the next start just loads in the foreground
                     log.warning("warm-up: cannot leave a record in %s: %s", record.parent, e)
 
-    def _compile_in_background(self, groups, cache, swaps: bool) -> None:
+    def _compile_in_background(self, groups, cache) -> None:
+        t0 = time.perf_counter()
         self._compile_steps(groups, cache, threads=1, progress=False)
-        if swaps and not self._stop_background.is_set():
+        if not self._stop_background.is_set():
+            self._ready = None  # every step program is compiled: each step takes its own bucket again
             self._compile_swaps(cache)
+            log.info("warm-up: the background thread compiled %d step programs and the swap copies in %.1f s",
+                     sum(len(programs) for programs, _ in groups), time.perf_counter() - t0)
 
     def _compile_swaps(self, cache) -> None:
         """The swap copies of every size, ahead of time (_warm_swaps runs them instead: it must not run
@@ -496,9 +531,9 @@ class ModelRunner:
             ids = jax.ShapeDtypeStruct((n,), jnp.int32)
             blocks = tuple(jax.ShapeDtypeStruct((pages.shape[0], n, *pages.shape[2:]), pages.dtype,
                                                 sharding=self.device_sharding) for pages in cache)
-            with jax.set_mesh(self.mesh):
-                _gather_blocks.lower(cache, ids).compile()
-                _scatter_blocks.lower(cache, ids, blocks).compile()
+            # No mesh context, as _swap_out and _swap_in call them: it is part of what a program is keyed by.
+            _gather_blocks.lower(cache, ids).compile()
+            _scatter_blocks.lower(cache, ids, blocks).compile()
 
     def _warm_swaps(self):
         for n in self.buckets.swap_blocks:

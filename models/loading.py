@@ -1,10 +1,11 @@
-"""Load a model from a Hugging Face directory (safetensors), a GGUF file (models/gguf.py) or a Ferry orbax
+"""Load a model from a Hugging Face directory (safetensors), a GGUF file (models/gguf.py) or a Ferry
 checkpoint; save the latter.
 
 Both forms come back as a `LoadedModel`: the config and the model split once (`nnx.split`) into a
 static graphdef and a state pytree, which is what the jitted step takes.
 
-Ferry checkpoint layout:  DIR/ferry_config.json  DIR/params/ (orbax)  plus any tokenizer files.
+Ferry checkpoint layout:  DIR/ferry_config.json  DIR/model.safetensors  plus any tokenizer files (checkpoints
+saved before model.safetensors hold DIR/params/, orbax, which still loads).
 
 Names. Both formats store one tensor per layer under Hugging Face-style names ("layers.3.mlp.up_proj.kernel"
 once `_hf_to_ferry_name` has dropped "model." and renamed "weight"), while the model holds each
@@ -17,6 +18,7 @@ checkpoints' separate tensors (Hugging Face, GGUF, Ferry checkpoints saved befor
 
 import dataclasses
 import glob
+import itertools
 import json
 import os
 import shutil
@@ -24,14 +26,17 @@ import shutil
 import jax
 import jax.numpy as jnp
 from flax import nnx
+import numpy as np
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from models.config import ConfigError, ModelConfig, load_hf_config, max_context_len, read_json
 from models.packaged import resolve_packaged
 from models.transformer import FUSED_PROJECTIONS, Transformer, fused_projection_widths
 
 FERRY_CONFIG = "ferry_config.json"
-PARAMS_DIR = "params"
+WEIGHTS_FILE = "model.safetensors"
+LEGACY_PARAMS_DIR = "params"  # orbax: how checkpoints were saved before model.safetensors
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "generation_config.json")
 # Buffers some checkpoints carry that are recomputed here.
@@ -60,7 +65,7 @@ def _dtype(name):
 
 def abstract_model(cfg: ModelConfig, dtype, scan: bool = True) -> tuple[nnx.GraphDef, nnx.State]:
     """graphdef and a state of ShapeDtypeStructs: nothing allocated."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), scan=scan))
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), scan=scan, traced=True))
     return nnx.split(model)
 
 
@@ -127,19 +132,16 @@ def _per_layer_tensors(params: dict) -> dict[str, jax.Array]:
     return out
 
 
+def _fused_widths(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{"self_attn.qkv_proj": (q, k, v widths), "mlp.gate_up_proj": (...)}: where each fused tensor splits."""
+    return {f"{module}.{proj}": widths for module, proj, widths in fused_projection_widths(cfg)}
+
+
 def _unfused_leaves(leaves: dict[str, jax.ShapeDtypeStruct], cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
     """Per-layer leaves with each fused projection replaced by its parts ("layers.3.mlp.gate_up_proj.kernel"
     -> "layers.3.mlp.gate_proj.kernel", "layers.3.mlp.up_proj.kernel"): the names checkpoints store."""
-    widths = {f"{module}.{proj}": w for module, proj, w in fused_projection_widths(cfg)}
-    out = {}
-    for name, leaf in leaves.items():
-        fused = next((f for f in FUSED_PROJECTIONS if f".{f}." in name), None)
-        if fused is None:
-            out[name] = leaf
-            continue
-        for part, width in zip(FUSED_PROJECTIONS[fused], widths[fused]):
-            out[name.replace(fused, part)] = jax.ShapeDtypeStruct((*leaf.shape[:-1], width), leaf.dtype)
-    return out
+    return _unfuse_projections(leaves, cfg, split=lambda leaf, widths: [
+        jax.ShapeDtypeStruct((*leaf.shape[:-1], width), leaf.dtype) for width in widths])
 
 
 def _fuse_projections(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -152,6 +154,26 @@ def _fuse_projections(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
             tensors = [arrays.pop(f"{prefix}.{part}.{leaf}") for part in parts]
             arrays[f"{prefix}.{fused}.{leaf}"] = jnp.concatenate(tensors, axis=-1)
     return arrays
+
+
+def _split_columns(tensor, widths: tuple[int, ...]) -> list[np.ndarray]:
+    return np.split(np.asarray(tensor), list(itertools.accumulate(widths))[:-1], axis=-1)
+
+
+def _unfuse_projections(tensors: dict, cfg: ModelConfig, split=_split_columns) -> dict:
+    """The inverse of `_fuse_projections`: each fused projection's tensor split (`split(tensor, widths)`) into
+    its parts, as checkpoints store them, so every checkpoint a Ferry model writes loads through the one path
+    (model_from_hf_tensors)."""
+    widths = _fused_widths(cfg)
+    out = {}
+    for name, tensor in tensors.items():
+        fused = next((f for f in FUSED_PROJECTIONS if f".{f}." in name), None)
+        if fused is None:
+            out[name] = tensor
+            continue
+        out.update((name.replace(fused, part), piece)
+                   for part, piece in zip(FUSED_PROJECTIONS[fused], split(tensor, widths[fused])))
+    return out
 
 
 def _fill_state(graphdef, state, arrays: dict[str, jax.Array]) -> nnx.State:
@@ -242,17 +264,17 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype, tensors, max_model_len: int, 
     return LoadedModel(cfg, graphdef, state, max_model_len, path)
 
 
-# ---------------------------------------------------------------- Ferry orbax checkpoints
+# ---------------------------------------------------------------- Ferry checkpoints
 
 def save_checkpoint(model: LoadedModel, out_dir: str, tokenizer_dir: str | None = None) -> str:
-    """Write params (orbax) and the config beside them; copy tokenizer files from `tokenizer_dir`."""
+    """Write the weights (safetensors: per-layer names, q/k/v and gate/up apart, as checkpoints store them)
+    and the config beside them; copy tokenizer files from `tokenizer_dir`."""
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    import orbax.checkpoint as ocp  # here, not at the top: ~0.5 s of start-up that other formats don't need
-
-    flat = _per_layer_tensors(model.params())  # per-layer names on disk, as Hugging Face's
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(out_dir, PARAMS_DIR), flat, force=True)
+    tensors = _unfuse_projections(_per_layer_tensors(model.params()), model.cfg)
+    # contiguous: safetensors writes an array's buffer as it lies (a column split is a strided view)
+    save_file({name: np.ascontiguousarray(tensor) for name, tensor in tensors.items()},
+              os.path.join(out_dir, WEIGHTS_FILE))
     with open(os.path.join(out_dir, FERRY_CONFIG), "w") as f:
         json.dump({"model": model.cfg.to_json(), "max_model_len": model.max_model_len}, f, indent=2)
     source = tokenizer_dir or model.path
@@ -267,27 +289,32 @@ def load_checkpoint(ckpt_dir: str, dtype=None) -> LoadedModel:
     ckpt_dir = os.path.abspath(ckpt_dir)
     meta = read_json(os.path.join(ckpt_dir, FERRY_CONFIG))
     cfg = ModelConfig.from_json(meta["model"])
-    params_dir = os.path.join(ckpt_dir, PARAMS_DIR)
-    if not os.path.isdir(params_dir):
-        raise FileNotFoundError(f"{params_dir}: no orbax params directory beside {FERRY_CONFIG}")
-    import orbax.checkpoint as ocp  # as in save_checkpoint
+    max_model_len = int(meta.get("max_model_len", cfg.max_position_embeddings))
+    config_source = os.path.join(ckpt_dir, FERRY_CONFIG)
+    if os.path.isdir(os.path.join(ckpt_dir, LEGACY_PARAMS_DIR)):
+        tensors = _orbax_tensors(os.path.join(ckpt_dir, LEGACY_PARAMS_DIR), cfg)
+    elif os.path.exists(os.path.join(ckpt_dir, WEIGHTS_FILE)):
+        tensors = _safetensors_tensors(ckpt_dir)
+    else:
+        raise FileNotFoundError(f"{ckpt_dir}: no {WEIGHTS_FILE} beside {FERRY_CONFIG}")
+    first_path, first_name, first = next(tensors)  # the stored dtype is the default
+    tensors = itertools.chain([(first_path, first_name, first)], tensors)
+    return model_from_hf_tensors(cfg, _dtype(dtype) or jnp.dtype(first.dtype), tensors, max_model_len, ckpt_dir,
+                                 config_source)
+
+
+def _orbax_tensors(params_dir: str, cfg: ModelConfig):
+    """(directory, name, numpy array) of a checkpoint saved by Ferry before its weights moved to safetensors
+    (orbax: imported only here, ~0.7 s of start-up that other checkpoints do not need)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
 
     with ocp.StandardCheckpointer() as ckptr:
         stored = ckptr.metadata(params_dir)
         stored = getattr(stored, "item_metadata", stored)
-        saved_dtype = next(iter(stored.values())).dtype
-        dtype = _dtype(dtype) or jnp.dtype(saved_dtype)
-        # the default device: the host when the engine loads for several devices (models/sharding.py)
-        sharding = jax.sharding.SingleDeviceSharding(jax.config.jax_default_device or jax.devices()[0])
-        # as stored: checkpoints saved before the fusion hold q/k/v and gate/up apart
-        target = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-                  for name, leaf in stored.items()}
-        arrays = _fuse_projections(ckptr.restore(params_dir, target))
-    graphdef, abstract = abstract_model(cfg, dtype)
-    if dtype != jnp.dtype(saved_dtype):
-        arrays = {k: v.astype(dtype) for k, v in arrays.items()}
-    state = _fill_state(graphdef, abstract, arrays)
-    return LoadedModel(cfg, graphdef, state, int(meta.get("max_model_len", cfg.max_position_embeddings)), ckpt_dir)
+        target = {name: np.empty(leaf.shape, leaf.dtype) for name, leaf in stored.items()}
+        restored = ckptr.restore(params_dir, target)
+    for name, array in _unfuse_projections(restored, cfg).items():  # fused if saved after the fusion
+        yield params_dir, name, np.asarray(array)
 
 
 def load_model(path: str, dtype=None) -> LoadedModel:

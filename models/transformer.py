@@ -196,15 +196,33 @@ def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
     return nnx.merge(graphdef, jax.tree.map(lambda *leaves: jnp.stack(leaves), *states))
 
 
+def vmapped_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> "DecoderLayer":
+    """The same stacked layer as stack_modules gives (the same graphdef; other random draws), from one
+    vmapped constructor: tracing it costs the same at any depth (0.10 s at 4 and at 30 layers, against
+    0.26 s and 1.39 s layer by layer; measured at hidden 256), but run eagerly each op compiles per depth."""
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(layer_rngs):
+        return DecoderLayer(cfg, dtype, layer_rngs)
+
+    return make(rngs)
+
+
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, scan: bool = True):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, scan: bool = True,
+                 traced: bool = False):
         """`scan`: the layers as one DecoderLayer of [num_layers, ...] parameters, run by jax.lax.scan
-        (compile time independent of depth); False: one DecoderLayer per layer, unrolled (see scan_layers)."""
+        (compile time independent of depth); False: one DecoderLayer per layer, unrolled (see scan_layers).
+        `traced`: built under a trace (abstract_model's nnx.eval_shape), where vmapped_layers is cheaper."""
         self.cfg, self.dtype = cfg, dtype
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                                       embedding_init=_INIT, rngs=rngs)
-        layers = [DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)]
-        self.layers = stack_modules(layers) if scan else nnx.List(layers)  # only scan_layers calls them
+        if not scan:
+            self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        elif traced:
+            self.layers = vmapped_layers(cfg, dtype, rngs)
+        else:
+            self.layers = stack_modules([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)

@@ -7,7 +7,7 @@ BOS ... EOS; a fixed share of documents is held out for a per-token perplexity.
 
 The model is Ferry's own `Transformer`; training runs a plain causal forward over [batch, seq] built from
 the model's submodules (no KV cache), so the trained parameters are exactly the served ones. The result is
-a Ferry checkpoint (orbax + ferry_config.json) with tokenizer.model, tokenizer_config.json,
+a Ferry checkpoint (model.safetensors + ferry_config.json) with tokenizer.model, tokenizer_config.json,
 generation_config.json and train_report.json in --out_dir. Sample generations at the end go through the
 paged inference path on the checkpoint as loaded from disk.
 
@@ -498,7 +498,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
+        logging.set_verbosity(logging.WARNING)  # JAX logs its backend probing at INFO
     train(options_from_flags())
 
 

@@ -11,7 +11,7 @@ import pytest
 from hf_models import ARCHS, check_greedy_match, hf_greedy, hf_logits, make_hf_model, paged_greedy, rel_err
 from hf_models import torch  # the guarded import: skips this module where torch is missing
 from models.config import ConfigError
-from models.loading import load_model, save_checkpoint
+from models.loading import _per_layer_tensors, load_model, save_checkpoint
 
 NUM_NEW = 32
 
@@ -57,16 +57,28 @@ def test_two_chunk_prefill_matches_one_chunk(arch_model):
         assert rel_err(b, hf_logits(torch_model, p)) < 1e-4
 
 
-def test_orbax_round_trip_is_bit_identical(arch_model, tmp_path):
+def _save_legacy_orbax_checkpoint(model, out_dir) -> str:
+    """A Ferry checkpoint as saved before model.safetensors: orbax params/ of the fused per-layer tensors."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(out_dir, "params"), _per_layer_tensors(model.params()))
+    with open(os.path.join(out_dir, "ferry_config.json"), "w") as f:
+        json.dump({"model": model.cfg.to_json(), "max_model_len": model.max_model_len}, f)
+    return str(out_dir)
+
+
+def test_checkpoint_round_trip_is_bit_identical(arch_model, tmp_path):
+    """save_checkpoint's model.safetensors, and a checkpoint saved before it (orbax), load back bit for bit."""
     arch, _, _, loaded, hf_dir = arch_model
-    ckpt = save_checkpoint(loaded, str(tmp_path / "ckpt"))
-    restored = load_model(ckpt)
-    assert restored.cfg == loaded.cfg and restored.max_model_len == loaded.max_model_len
-    a, b = jax.tree.leaves(loaded.params()), jax.tree.leaves(restored.params())
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert np.array_equal(np.asarray(x), np.asarray(y))
+    for ckpt in (save_checkpoint(loaded, str(tmp_path / "ckpt")), _save_legacy_orbax_checkpoint(loaded, tmp_path / "old")):
+        restored = load_model(ckpt)
+        assert restored.cfg == loaded.cfg and restored.max_model_len == loaded.max_model_len
+        a, b = jax.tree.leaves(loaded.params()), jax.tree.leaves(restored.params())
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert np.array_equal(np.asarray(x), np.asarray(y)), ckpt
 
 
 def test_bf16_loading_keeps_bf16(tmp_path):
