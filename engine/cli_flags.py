@@ -113,7 +113,7 @@ def define_engine_flags():
                          "with depth (float32 CPU decode steps run as fast either way: a native matmul reads "
                          "the scanned layers' weights in place)")
     flags.DEFINE_enum("warmup", d.warmup, WARMUP_MODES, "compile step shapes at start-up: full (all, before "
-                      "serving), lazy (the largest greedy decode and prefill first, which every step can pad up to; the rest "
+                      "serving), lazy (each sampler's largest decode and prefill first, which every step can pad up to; the rest "
                       "in the background), none (each on "
                       "first use); --nowarmup is --warmup=none")
 

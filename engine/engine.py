@@ -66,7 +66,7 @@ class EngineConfig:
     scan_layers: bool = True               # one scanned layer (compile time independent of depth); False:
                                            # layers unrolled, compile time ~ depth
     warmup: str = "none"                   # compile in __init__: "full" every step shape, both samplers;
-                                           # "lazy" the largest greedy decode and prefill ones (steps pad up
+                                           # "lazy" each sampler's largest decode and prefill (steps pad up
                                            # to them), the rest in the background;
                                            # "none" each shape on first use
 

@@ -401,30 +401,32 @@ class ModelRunner:
         """Compile every step layout for the greedy sampler and, if `sampling`, for the full one too,
         and every swap size.
 
-        With `background`, only the two greedy programs that can run any step (the largest decode batch,
-        the largest prefill) compile before this returns; steps pad up to the smallest program compiled so
-        far (layout_for), and the rest compile on a thread, smallest first (`wait_for_warmup` joins it): the
-        other greedy programs, the full sampler's (a sampled request that comes first compiles its own), the
-        swap copies. When the persistent cache is known to hold them all (`_warm_record`), nothing compiles
-        before this returns: loading a program costs its trace, ~0.1-0.3 s, so a warm start serves at once
-        and a request that comes first loads its own program.
+        With `background`, only the programs that can run any step compile before this returns: for each
+        sampler, the largest decode batch and the largest prefill. Steps pad up to the smallest program
+        compiled so far (layout_for), and the rest compile on a thread, smallest first (`wait_for_warmup`
+        joins it), then the swap copies. When the persistent cache is known to hold them all
+        (`_warm_record`), nothing compiles before this returns: loading a program costs its trace,
+        ~0.1-0.3 s, so a warm start serves at once and a request that comes first loads its own program.
 
         Ahead of time (lower + compile: nothing runs and the cache is not touched), on one thread per
         core: tracing holds the GIL, XLA's compile does not. Returns the seconds it took."""
         t0 = time.perf_counter()
         layouts = self.buckets.step_layouts()
-        groups = [[(layout, mode) for layout in layouts] for mode in (("greedy", "full") if sampling else ("greedy",))]
+        modes = ("greedy", "full") if sampling else ("greedy",)
+        groups = [[(layout, mode) for layout in layouts] for mode in modes]
         groups = [(programs, self._warm_record(programs)) for programs in groups]
         now, later, self._ready = groups, [], None
         if background:
-            (greedy, greedy_record), rest = groups[0], groups[1:]
+            greedy_record = groups[0][1]
             if greedy_record is not None and greedy_record.exists():
                 now, later = [], groups
             else:
-                largest = [(max((layout for layout in layouts if layout.decode == decode),
-                                key=lambda layout: layout.num_tokens), "greedy") for decode in (True, False)]
-                smaller = sorted([p for p in greedy if p not in largest], key=lambda program: program[0].num_tokens)
-                now, later = [(largest, None)], [(smaller, greedy_record), *rest]
+                largest = {(max((layout for layout in layouts if layout.decode == decode),
+                                key=lambda layout: layout.num_tokens), mode)
+                           for decode in (True, False) for mode in modes}
+                now = [([p for programs, _ in groups for p in programs if p in largest], None)]
+                later = [(sorted([p for p in programs if p not in largest], key=lambda p: p[0].num_tokens), record)
+                         for programs, record in groups]
                 self._ready = set(largest)
         # Shapes only: the background thread must not touch the cache, which steps donate meanwhile.
         cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_cache)

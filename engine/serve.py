@@ -52,7 +52,7 @@ flags.DEFINE_string("api_key", None, "require `Authorization: Bearer <key>` on e
                     "/metrics; unset: $FERRY_API_KEY if set, else no authentication")
 flags.DEFINE_integer("max_waiting", None, "most requests admitted but not yet generating; past it 503 with "
                      "Retry-After; unset: unbounded", lower_bound=1)
-# Two greedy programs before listening (the largest decode and prefill: any step can pad up to them), the
+# Before listening, each sampler's largest decode and prefill program (any step can pad up to them); the
 # rest in the background.
 FLAGS.set_default("warmup", "lazy")
 flags.DEFINE_float("log_interval_s", 5.0, "seconds between throughput log lines", lower_bound=0.1)

@@ -39,20 +39,21 @@ def _run(loaded, workload, **config):
     return [o.outputs[0].token_ids for o in outputs], scheduler
 
 
-def test_a_cold_lazy_start_runs_every_step_on_its_two_largest_programs(checkpoint):
-    """warmup="lazy" with nothing compiled before compiles only the largest decode and prefill programs before
-    it returns; until the thread has compiled the rest, steps pad up to a compiled program. With the thread
-    stopped at once, a workload of mixed prompt lengths and decode batches of 6 down to 1 compiles nothing
-    more and gives transformers' greedy tokens (ties excepted, reported)."""
+def test_a_cold_lazy_start_runs_every_step_on_its_largest_programs(checkpoint):
+    """warmup="lazy" with nothing compiled before compiles only each sampler's largest decode and prefill
+    programs before it returns; until the thread has compiled the rest, steps pad up to a compiled program.
+    With the thread stopped at once, greedy requests of mixed prompt lengths in decode batches of 6 down to 1
+    compile nothing more and give transformers' tokens (ties excepted, reported); then sampled ones too."""
     seed, torch_model, loaded = checkpoint
     workload = _workload(seed + 3, loaded.cfg.vocab_size, n=6)
     counter = CompileCounter.install()
     llm = LLM(loaded, EngineConfig(block_size=8, max_num_seqs=8, num_blocks=256, max_num_batched_tokens=512,
                                    warmup="lazy"))
     llm.engine.runner.stop_background_warmup()  # after the compile in progress, if any
-    assert llm.engine.runner.warmup_split[0] == 2
+    assert llm.engine.runner.warmup_split[0] == 4
     before = counter.count
     outputs = llm.generate([p for p, _ in workload], [_greedy(m) for _, m in workload], use_tqdm=False)
+    llm.generate([p for p, _ in workload[:3]], SamplingParams(temperature=1.0, max_tokens=8), use_tqdm=False)
     assert counter.count == before, f"{counter.count - before} compilations in the steps"
     ties = [tie for (prompt, max_tokens), out in zip(workload, outputs)
             if (tie := check_greedy_match(out.outputs[0].token_ids, *hf_greedy(torch_model, prompt, max_tokens)))]
@@ -179,7 +180,7 @@ def test_a_warm_start_loads_every_program_after_it_returns(tmp_path, monkeypatch
     config = dict(warmup="lazy", preemption_mode="swap")
     first = _random_engine(2, **config)
     programs = len(first.runner.buckets.step_layouts())
-    assert first.runner.warmup_split == (2, 2 * programs - 2)  # the largest decode and prefill first
+    assert first.runner.warmup_split == (4, 2 * programs - 4)  # each sampler's largest decode and prefill
     first.runner.wait_for_warmup()
     assert len(list(tmp_path.iterdir())) == 2  # one record per sampler
     counter = CompileCounter.install()
@@ -196,7 +197,7 @@ def test_a_warm_start_loads_every_program_after_it_returns(tmp_path, monkeypatch
     assert counter.count == before, f"{counter.count - before} compilations after a warm start's warm-up"
     monkeypatch.setattr(runner_module, "ferry_source_hash", lambda: "edited")
     edited = _random_engine(2, **config)
-    assert edited.runner.warmup_split == (2, 2 * programs - 2)
+    assert edited.runner.warmup_split == (4, 2 * programs - 4)
     edited.runner.wait_for_warmup()
 
 
