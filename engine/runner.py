@@ -29,6 +29,7 @@ from tqdm import tqdm
 from engine.packing import DecodeRows, SeqSlice, StepLayout, bucket, pack
 from engine.sampler import SamplingRow, build_sampling_metadata, needs_full_sampler
 from engine.sampling_params import SamplingParams
+from engine.scheduler import DecodeTokens
 from engine.step import prompt_logprobs_step, sample_step
 from models.loading import LoadedModel
 from models.paged import NULL_BLOCK, init_kv_cache
@@ -49,8 +50,14 @@ class RunnerOutput:
     # request id -> [(logprob of the next prompt token, top-k), ...] for this step's scored prompt rows
     prompt_logprobs: dict[str, list] = dataclasses.field(default_factory=dict)
 
+    # The decode batch's tokens, when it ran in one call: as arrays, not in `tokens` (the scheduler's fast path)
+    decoded: DecodeTokens | None = None
+
     def update(self, other: "RunnerOutput") -> None:
+        """Fold in a run of part of the step (fault isolation): its decode tokens too, by request id."""
         self.tokens.update(other.tokens)
+        if other.decoded is not None:
+            self.tokens.update(zip([r.request_id for r in other.decoded.requests], other.decoded.tokens))
         self.logprobs.update(other.logprobs)
         self.prompt_logprobs.update(other.prompt_logprobs)
 
@@ -188,7 +195,7 @@ class ModelRunner:
                               self.kv_dtype),
             out_shardings=(self.device_sharding, self.device_sharding))()
         self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
-        self.decode_rows = DecodeRows(max_num_seqs, self.buckets.width, block_size)
+        self.decode_rows = DecodeRows(max_num_seqs, self.buckets.width, block_size, max_model_len)
         self.host_sharding = host_memory_sharding(self.mesh)
         self.swapped: dict[tuple[int, ...], list] = {}  # host block ids -> the blocks' contents in host memory
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
@@ -230,12 +237,30 @@ class ModelRunner:
         for i in range(0, len(plain), self.buckets.prefill_seqs):
             self._run_prefill(plain[i:i + self.buckets.prefill_seqs], out, score=False)
         if decodes:
-            t0 = time.perf_counter()
-            layout = self.layout_for(decodes, decode=True)
-            buf = self.decode_rows.pack(decodes, layout)
-            self.timings["pack_s"] += time.perf_counter() - t0
-            self._collect(decodes, self._call(buf, layout, [(r, r.num_tokens) for r in decodes]), out)
+            self._run_decodes(decodes, out)
+        else:
+            self.decode_rows.sync([])  # the rows of requests that left the batch go (DecodeRows: every step)
         return out
+
+    def advance(self) -> None:
+        """The last step's tokens are in its requests (Scheduler.postprocess): the decode rows move on."""
+        self.decode_rows.advance()
+
+    def _run_decodes(self, decodes, out: "RunnerOutput") -> None:
+        t0 = time.perf_counter()
+        rows = self.decode_rows
+        layout = self.layout_for(decodes, decode=True)
+        buf = rows.pack(decodes, layout)
+        self.timings["pack_s"] += time.perf_counter() - t0
+        plain = rows.all_plain()  # then no row needs the full sampler's question, nor logprobs
+        # (request, tokens it has after this step): num_tokens, from the packed positions without reading it
+        history = list(zip(decodes, (rows.packed_positions() + 1).tolist()))
+        sample = self._call(buf, layout, history, mode="greedy" if plain else None)
+        tokens = sample[0][:len(decodes)]
+        rows.sampled(tokens)
+        out.decoded = DecodeTokens(decodes, tokens.tolist(), rows.may_stop(tokens))
+        if not plain:
+            self._collect_logprobs(decodes, sample, out)
 
     @property
     def cache_lost(self) -> bool:
@@ -260,8 +285,12 @@ class ModelRunner:
         self._collect([c.request for c in sampling], _select_rows(sample, [chunks.index(c) for c in sampling]), out)
 
     def _collect(self, requests, sample, out: "RunnerOutput"):
-        tokens, logprob, top_ids, top_lp = sample
-        out.tokens.update(zip([r.request_id for r in requests], tokens.tolist()))
+        out.tokens.update(zip([r.request_id for r in requests], sample[0].tolist()))
+        self._collect_logprobs(requests, sample, out)
+
+    @staticmethod
+    def _collect_logprobs(requests, sample, out: "RunnerOutput"):
+        _, logprob, top_ids, top_lp = sample
         for i, r in [(i, r) for i, r in enumerate(requests)
                      if r.plain_argmax is not True and r.params is not None and r.params.logprobs is not None]:
             k = r.params.logprobs
@@ -291,12 +320,13 @@ class ModelRunner:
         tokens = b.pick(b.prefill_tokens, sum(len(s.token_ids) for s in seqs))
         return StepLayout(tokens, b.prefill_seqs, b.width, tokens if all_logits else b.prefill_seqs, decode=False)
 
-    def _call(self, buf, layout: StepLayout, rows, score_chunk=None):
+    def _call(self, buf, layout: StepLayout, rows, score_chunk=None, mode: str | None = None):
         """Run the jitted step on a packed buffer, fetch its (small) outputs. `rows`: (request, tokens
-        it has once this step is done) per sequence. Returns numpy (tokens, logprob, top_ids, top_logprobs)
-        per logits row, and with `score_chunk` also that chunk's prompt logprobs."""
+        it has once this step is done) per sequence; `mode`: the sampler, when the caller knows it. Returns
+        numpy (tokens, logprob, top_ids, top_logprobs) per logits row, and with `score_chunk` also that
+        chunk's prompt logprobs."""
         t0 = time.perf_counter()
-        mode = _sampler_mode(rows)
+        mode = mode or _sampler_mode(rows)
         sampling_md = (build_sampling_metadata([self._sampling_row(r, n) for r, n in rows], layout.num_seqs,
                                                layout.width * self.block_size, self.model.cfg.vocab_size)
                        if mode == "full" else None)

@@ -14,6 +14,8 @@ Every block change goes through the KVCacheManager (self.kv): this module only d
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
 
@@ -83,6 +85,16 @@ class StepPlan:
     @property
     def num_batched_tokens(self) -> int:
         return len(self.decodes) + sum(c.length for c in self.prefills)
+
+
+@dataclass(slots=True)
+class DecodeTokens:
+    """A decode batch's sampled tokens as the runner hands them over in one piece (postprocess's fast path)."""
+    requests: list[Request]   # the batch as planned (StepPlan.decodes, the same list)
+    tokens: list[int]         # [len(requests)] the token each sampled
+    # bool[len(requests)]: where Request.check_stop may end the request (packing.DecodeRows.may_stop); the
+    # other rows surely go on, so postprocess skips their check
+    may_stop: np.ndarray
 
 
 @dataclass(slots=True)
@@ -276,9 +288,10 @@ class Scheduler:
 
     # -------------------------------------------------------------- results
 
-    def postprocess(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Advance every planned request by what the runner computed; returns the requests finished now.
-        Their blocks stay until the next step's _reap, which counts them in that step's budget."""
+    def postprocess(self, plan: StepPlan, sampled: dict[str, int], decoded: DecodeTokens | None = None) -> list[Request]:
+        """Advance every planned request by what the runner computed: `sampled` (request id -> token), or
+        for the decode batch `decoded` when given. Returns the requests finished now. Their blocks stay until
+        the next step's _reap, which counts them in that step's budget."""
         finished = []
         for chunk in plan.prefills:
             request = chunk.request
@@ -291,20 +304,30 @@ class Scheduler:
             self.kv.publish_computed(request)  # its K/V are written now: later admissions may share them
             if chunk.samples and request.append_output(sampled[request.request_id], self.config.max_model_len):
                 finished.append(request)
-        # The whole batch, every step: locals and no helper calls beyond the request's own
-        publish, max_model_len, block_size = self.kv.publish_computed, self.config.max_model_len, self.config.block_size
-        finished_status = RequestStatus.FINISHED
-        for request in plan.decodes:
-            if request.status is finished_status:
+        decodes = plan.decodes
+        if decoded is not None and decoded.requests is decodes:
+            tokens, may_stop = decoded.tokens, np.flatnonzero(decoded.may_stop).tolist()
+        else:
+            tokens, may_stop = [sampled[r.request_id] for r in decodes], range(len(decodes))
+        # The whole batch, every step: locals, no calls but the list's append. Request.append_output in two
+        # halves: the append here for every row, the stop check below only where the token may stop.
+        publish, block_size, finished_status = self.kv.publish_computed, self.config.block_size, RequestStatus.FINISHED
+        for request, token in zip(decodes, tokens):
+            if request.status is finished_status:  # aborted after schedule()
                 continue
-            computed = request.num_computed_tokens + 1
-            if computed != request.num_tokens:
-                raise RuntimeError(f"request {request.request_id!r}: decoding with {computed - 1}"
-                                   f" of {request.num_tokens} tokens computed (plan applied twice?)")
-            request.num_computed_tokens = computed
-            if computed % block_size == 0:  # one more token fills a block at most here
+            n = request.num_tokens
+            if request.num_computed_tokens + 1 != n:
+                raise RuntimeError(f"request {request.request_id!r}: decoding with {request.num_computed_tokens}"
+                                   f" of {n} tokens computed (plan applied twice?)")
+            request.num_computed_tokens = n
+            if n % block_size == 0:  # one more token fills a block at most here
                 publish(request)
-            if request.append_output(sampled[request.request_id], max_model_len):
+            request.output_token_ids.append(token)
+            request.num_tokens = n + 1
+        max_model_len = self.config.max_model_len
+        for i in may_stop:
+            request = decodes[i]
+            if request.status is not finished_status and request.stop_after_append(tokens[i], max_model_len):
                 finished.append(request)
         return finished
 

@@ -132,11 +132,11 @@ def _poison(monkeypatch, bad_ids: set[str], after_tokens: int = 0):
     output tokens (a host-side fault inside the step)."""
     original = runner_module.ModelRunner._call  # every jitted call, with every row's request
 
-    def call(self, buf, layout, rows, score_chunk=None):
+    def call(self, buf, layout, rows, *args, **kwargs):
         for request, _ in rows:
             if request.group_id in bad_ids and request.num_output_tokens >= after_tokens:
                 raise RuntimeError(f"injected fault for {request.request_id}")
-        return original(self, buf, layout, rows, score_chunk)
+        return original(self, buf, layout, rows, *args, **kwargs)
 
     monkeypatch.setattr(runner_module.ModelRunner, "_call", call)
 

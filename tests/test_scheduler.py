@@ -6,6 +6,7 @@ import collections
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from engine.kv_cache_manager import KVCacheManager
 from engine.packing import DecodeRows, SeqSlice, StepLayout, bucket, pack
 from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, cdiv
+from engine.scheduler import DecodeTokens, Scheduler, SchedulerConfig, StepPlan, cdiv
 
 VOCAB = 64
 PHASES = ["reap", "budget", "admit", "preempt", "decode"]
@@ -159,6 +160,7 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
 def check_decode_rows(rows: DecodeRows, plan: StepPlan, block_size: int) -> None:
     """The persistent decode rows pack exactly the buffer a from-scratch rebuild packs."""
     if not plan.decodes:
+        rows.sync([])  # as ModelRunner.run does: the rows of requests that left go
         return
     n = bucket(len(plan.decodes))
     layout = StepLayout(n, n, rows.tables.shape[1], n, decode=True)
@@ -167,6 +169,24 @@ def check_decode_rows(rows: DecodeRows, plan: StepPlan, block_size: int) -> None
     persistent = rows.pack(plan.decodes, layout)
     assert persistent.tobytes() == rebuilt.tobytes(), f"step {plan.step}: the persistent decode rows differ"
     assert len(rows) == len(plan.decodes)
+
+
+def advance_decode_rows(rows: DecodeRows, sched: Scheduler, plan: StepPlan, sampled: dict[str, int]) -> list:
+    """Postprocess as the engine does, the decode batch handed over as DecodeTokens: the rows' may_stop mask
+    must hold wherever a request stopped on its token (only those rows get the check); then the rows advance
+    (ModelRunner.advance) to the inputs the next check_decode_rows compares with a rebuild."""
+    decoded = None
+    if plan.decodes:
+        tokens = np.array([sampled[r.request_id] for r in plan.decodes])
+        rows.sampled(tokens)
+        decoded = DecodeTokens(plan.decodes, tokens.tolist(), rows.may_stop(tokens))
+    was_finished = [r.is_finished for r in plan.decodes]
+    finished = sched.postprocess(plan, sampled, decoded)
+    for i, r in enumerate(plan.decodes):
+        if r.is_finished and not was_finished[i]:
+            assert decoded.may_stop[i], f"{r.request_id} stopped ({r.finish_reason}) on a row may_stop passed over"
+    rows.advance()
+    return finished
 
 
 def check_cache_contents(sched: Scheduler, runner: FakeRunner, seen: dict[bytes, list]) -> None:
@@ -205,7 +225,8 @@ def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]]
         max_steps: int = 5000) -> Run:
     """Drive scheduler + fake runner to completion, checking the plan and all invariants every step."""
     sched, runner, aborts = Scheduler(config), FakeRunner(config.block_size), aborts or {}
-    decode_rows = DecodeRows(config.max_num_seqs, cdiv(config.max_model_len, config.block_size), config.block_size)
+    decode_rows = DecodeRows(config.max_num_seqs, cdiv(config.max_model_len, config.block_size), config.block_size,
+                             config.max_model_len)
     requests, rejected, plans, cache_seen = {}, [], [], {}
     first_scheduled, finished_at, chunks = {}, {}, []
     last_arrival = max((s.arrival_step for s in specs), default=0)
@@ -235,7 +256,7 @@ def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]]
             first_scheduled.setdefault(ch.request.request_id, step)
             chunks.append((step, ch.request.request_id, ch.start, ch.length, ch.request.prefill_target))
         sampled = runner.execute(plan)
-        for r in sched.postprocess(plan, sampled):
+        for r in advance_decode_rows(decode_rows, sched, plan, sampled):
             finished_at[r.request_id] = step
         sched.check_invariants()
         check_cache_contents(sched, runner, cache_seen)
