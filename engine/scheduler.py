@@ -308,7 +308,8 @@ class Scheduler:
         if decoded is not None and decoded.requests is decodes:
             tokens, may_stop = decoded.tokens, np.flatnonzero(decoded.may_stop).tolist()
         else:
-            tokens, may_stop = [sampled[r.request_id] for r in decodes], range(len(decodes))
+            tokens = [None if r.status is RequestStatus.FINISHED else sampled[r.request_id] for r in decodes]
+            may_stop = range(len(decodes))
         # The whole batch, every step: locals, no calls but the list's append. Request.append_output in two
         # halves: the append here for every row, the stop check below only where the token may stop.
         publish, block_size, finished_status = self.kv.publish_computed, self.config.block_size, RequestStatus.FINISHED
