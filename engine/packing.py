@@ -116,31 +116,40 @@ class DecodeRows:
         self._stop_id_rows: dict[int, int] = {}  # stop or EOS id -> rows whose request has it
         self._stop_ids = np.zeros(0, np.int64)   # [n] the keys of _stop_id_rows: any row's token may stop on these
         self._free_rows = list(range(max_rows - 1, -1, -1))
-        self._last_requests: list = []           # the last sync's requests, in order, and their rows
-        self._last_rows = np.zeros(0, np.int64)
-        self._packed = (self._last_rows, self._last_rows)  # the last pack's (rows, positions)
-        self._pending: list[tuple] = []          # (rows, generations, next positions, next tokens) to advance to
+        self._last_requests: list = []           # the last sync's requests, in order, and their rows:
+        self._last_rows = np.zeros(0, np.int64)  # i64[n], and as a slice when consecutive (numpy's fast path)
+        self._last_index: slice | np.ndarray = slice(0, 0)
+        self._packed = (self._last_index, self._last_rows)  # the last pack's (row index, positions)
+        self._pending: list[tuple] = []          # (row index, generations, next positions, next tokens) to advance to
+        self._counts = np.arange(max_rows + 1, dtype=np.int32)  # 0, 1, ..., max_rows: for the offsets fields
         self.num_row_copies = 0  # rows (re)written whole: a request started or resumed decoding
 
     def __len__(self) -> int:
         return len(self._row_of)
 
-    def sync(self, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def sync(self, requests) -> tuple[slice | np.ndarray, np.ndarray, np.ndarray]:
         """Bring the rows up to date with `requests` (this step's decoders; any other request's row is
-        released). Returns, in order, their rows, positions (num_tokens - 1) and input tokens (the last ones):
-        i64[len(requests)] each. Python touches only rows that changed: new ones, and those whose position
-        starts a block not yet copied."""
+        released). Returns, in order, their rows (a slice when consecutive, else i64[n]), positions
+        (num_tokens - 1) and input tokens (the last ones): i64[len(requests)] each. Python touches only rows
+        that changed: new ones, and those whose position starts a block not yet copied."""
         # The same requests as the last step, in the same order (a C-level identity compare): the same rows.
-        rows = self._last_rows if requests == self._last_requests else self._assign_rows(requests)
-        positions, tokens, known = self.positions[rows], self.tokens[rows], self.known[rows]
-        changed = ~known
-        changed |= positions // self.block_size >= self.lengths[rows]  # a new block at this position
-        for i in np.flatnonzero(changed).tolist():
-            request, row = requests[i], int(rows[i])
-            if not known[i]:
-                positions[i], tokens[i] = request.num_tokens - 1, request.last_token_id
-            self._copy_blocks(row, request.block_ids)
-        return rows, positions, tokens
+        if requests != self._last_requests:
+            self._assign_rows(requests)
+        index = self._last_index
+        positions, tokens, known = self.positions[index].copy(), self.tokens[index].copy(), self.known[index]
+        changed = positions // self.block_size >= self.lengths[index]  # a new block at this position
+        changed |= ~known
+        if not changed.any():
+            return index, positions, tokens
+        changed = np.flatnonzero(changed)
+        grown = changed[known[changed]]
+        if len(grown):  # known rows: each got exactly one block since (DecodeRows keeps lengths == len(ids))
+            self._append_blocks(self._last_rows[grown], [requests[i].block_ids for i in grown.tolist()])
+        for i in changed[~known[changed]].tolist():
+            request = requests[i]
+            positions[i], tokens[i] = request.num_tokens - 1, request.last_token_id
+            self._copy_blocks(int(self._last_rows[i]), request.block_ids)
+        return index, positions, tokens
 
     def _assign_rows(self, requests) -> np.ndarray:
         """Release the rows of requests not in `requests`, give a row to each that has none; their rows."""
@@ -154,8 +163,10 @@ class DecodeRows:
                 row_of[request] = row = self._free_rows.pop()
                 self._start(row, request)
         self._last_requests = list(requests)
-        self._last_rows = np.array([row_of[r] for r in requests], np.int64)
-        return self._last_rows
+        self._last_rows = rows = np.array([row_of[r] for r in requests], np.int64)
+        n = len(rows)
+        consecutive = n == 0 or (rows[-1] - rows[0] == n - 1 and (np.diff(rows) == 1).all())
+        self._last_index = slice(int(rows[0]), int(rows[0]) + n) if n and consecutive else rows
 
     def _start(self, row: int, request) -> None:
         """A request takes a free row: what its stop check and sampler mode need, once."""
@@ -193,28 +204,38 @@ class DecodeRows:
         self.tables[row, copied:len(ids)] = ids[copied:]
         self.lengths[row] = len(ids)
 
+    def _append_blocks(self, rows: np.ndarray, lists: list[list[int]]) -> None:
+        """Rows mirroring these lists, each now one block longer: their last ids, in one numpy write."""
+        lengths = self.lengths[rows]
+        if any(self._mirrored[row] is not ids or len(ids) != length + 1
+               for row, ids, length in zip(rows.tolist(), lists, lengths.tolist())):
+            for row, ids in zip(rows.tolist(), lists):  # not the protocol's case: row by row
+                self._copy_blocks(row, ids)
+            return
+        self.tables[rows, lengths] = [ids[-1] for ids in lists]
+        self.lengths[rows] = lengths + 1
+
     def pack(self, requests, layout: StepLayout) -> np.ndarray:
         """The decode step's buffer for `requests` (each feeds its last token at position num_tokens - 1);
         equal to pack() over the same requests."""
         n = len(requests)
-        rows, positions, tokens = self.sync(requests)
-        self._packed = rows, positions
+        index, positions, tokens = self.sync(requests)
+        self._packed = index, positions
         buf = np.empty(layout.size, np.int32)  # every field is written whole below: no zeroing pass first
         views = _split(buf, layout)
         tables = views["block_tables"].reshape(layout.num_seqs, layout.width)
-        if n and rows[-1] - rows[0] == n - 1 and (n == 1 or (np.diff(rows) == 1).all()):
-            tables[:n] = self.tables[rows[0]:rows[0] + n]  # consecutive rows (the usual case): one block copy
-        else:
-            np.take(self.tables, rows, axis=0, out=tables[:n])
+        tables[:n] = self.tables[index]  # consecutive rows (the usual case): one block copy
         tables[n:] = NULL_BLOCK
-        bs = self.block_size
+        bs, counts = self.block_size, self._counts
+        # A flat gather from the packed tables (cheaper than a 2-D fancy index); no int64 `%` (3x a `//`)
+        page = positions // bs
+        slots = tables.reshape(-1)[counts[:n] * layout.width + page] * bs + (positions - page * bs)
         # Padding rows: token 0 at position 0, writing into the null block's slot 0, attending to nothing.
         for name, values in (("token_ids", tokens), ("positions", positions), ("context_lens", positions + 1),
-                             ("slot_mapping", self.tables[rows, positions // bs] * bs + positions % bs),
-                             ("logits_indices", np.arange(n))):
+                             ("slot_mapping", slots), ("logits_indices", counts[:n])):
             views[name][:n] = values
             views[name][n:] = 0
-        views["query_start_loc"][:n + 1] = np.arange(n + 1)
+        views["query_start_loc"][:n + 1] = counts[:n + 1]
         views["query_start_loc"][n + 1:] = n
         return buf
 
@@ -229,24 +250,28 @@ class DecodeRows:
     def may_stop(self, tokens: np.ndarray) -> np.ndarray:
         """bool[n]: for the last pack's rows and the tokens they sampled, where Request.check_stop may end the
         request (a stop or EOS id of any row, its length reached, a grammar); elsewhere it surely returns None."""
-        rows, positions = self._packed
-        stop = self.every_token[rows] | (positions + 2 >= self.stop_at[rows])  # num_tokens after the append
-        if len(self._stop_ids):
-            stop |= (tokens[:, None] == self._stop_ids).any(axis=1)
+        index, positions = self._packed
+        stop = self.every_token[index] | (positions + 2 >= self.stop_at[index])  # num_tokens after the append
+        if len(self._stop_ids) > 4:
+            stop |= np.isin(tokens, self._stop_ids)
+        else:
+            for stop_id in self._stop_ids.tolist():  # a comparison each is cheaper than np.isin for a few
+                stop |= tokens == stop_id
         return stop
 
     def sampled(self, tokens: np.ndarray) -> None:
         """The last pack's rows sampled `tokens` ([n]): their next inputs, for `advance`."""
-        rows, positions = self._packed
-        self._pending.append((rows, self.generation[rows], positions + 1, tokens))
+        index, positions = self._packed
+        self._pending.append((index, self.generation[index].copy(), positions + 1, tokens))
 
     def advance(self) -> None:
         """The tokens given to `sampled` since the last advance were appended to their requests: each row
         that still has its request feeds its token next, one position on."""
-        for rows, generations, positions, tokens in self._pending:
-            same = self.generation[rows] == generations
-            rows = rows[same]
-            self.positions[rows], self.tokens[rows], self.known[rows] = positions[same], tokens[same], True
+        for index, generations, positions, tokens in self._pending:
+            same = self.generation[index] == generations
+            if not same.all():  # some rows changed hands since (fault isolation's partial runs)
+                index, positions, tokens = np.arange(len(self.known))[index][same], positions[same], tokens[same]
+            self.positions[index], self.tokens[index], self.known[index] = positions, tokens, True
         self._pending.clear()
 
 

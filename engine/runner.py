@@ -253,9 +253,10 @@ class ModelRunner:
         buf = rows.pack(decodes, layout)
         self.timings["pack_s"] += time.perf_counter() - t0
         plain = rows.all_plain()  # then no row needs the full sampler's question, nor logprobs
-        # (request, tokens it has after this step): num_tokens, from the packed positions without reading it
-        history = list(zip(decodes, (rows.packed_positions() + 1).tolist()))
-        sample = self._call(buf, layout, history, mode="greedy" if plain else None)
+        # (request, tokens it has after this step): num_tokens, from the packed positions; lazily when the
+        # greedy sampler needs none of it
+        history = zip(decodes, (rows.packed_positions() + 1).tolist())
+        sample = self._call(buf, layout, history if plain else list(history), mode="greedy" if plain else None)
         tokens = sample[0][:len(decodes)]
         rows.sampled(tokens)
         out.decoded = DecodeTokens(decodes, tokens.tolist(), rows.may_stop(tokens))
@@ -322,7 +323,8 @@ class ModelRunner:
 
     def _call(self, buf, layout: StepLayout, rows, score_chunk=None, mode: str | None = None):
         """Run the jitted step on a packed buffer, fetch its (small) outputs. `rows`: (request, tokens
-        it has once this step is done) per sequence; `mode`: the sampler, when the caller knows it. Returns
+        it has once this step is done) per sequence: a list, or with `mode` (the sampler, when the caller knows
+        it) any iterable, read at most once. Returns
         numpy (tokens, logprob, top_ids, top_logprobs) per logits row, and with `score_chunk` also that
         chunk's prompt logprobs."""
         t0 = time.perf_counter()
