@@ -736,3 +736,39 @@ def test_seeded_random_workloads_cover_every_path(monkeypatch):
     for path in ("swap", "recompute", "swap fallback", "over-commit", "abort waiting", "abort mid-prefill",
                  "abort running", "abort swapped", "prefix hit", "swap keeping a shared head"):
         assert seen[path] > 0, f"no {path} in the sweep: {dict(seen)}"
+
+
+def test_decode_rows_survive_reruns_and_partial_runs():
+    """Fault isolation's pattern on the persistent rows: a step packed again before advance() (a rerun) packs
+    the same inputs, and runs of parts of the batch (which release each other's rows) advance only the rows
+    that kept their request. Every buffer equals a from-scratch pack; may_stop flags EOS and the last token."""
+    bs, rng = 4, random.Random(0)
+    rows, next_block = DecodeRows(4, 8, bs, 32), iter(range(1, 100))
+    batch = [Request(f"r{i}", [3 + i] * (2 + 3 * i), max_tokens=9, eos_token_ids=(2,)) for i in range(3)]
+    for r in batch:
+        r.output_token_ids.append(5)
+        r.num_tokens += 1
+        r.block_ids = [next(next_block) for _ in range(cdiv(r.num_tokens, bs))]
+
+    def run(requests):  # pack (checked against a rebuild), then the sampled tokens
+        check_decode_rows(rows, StepPlan(0, decodes=requests), bs)
+        tokens = np.array([rng.choice([2, 6, 7]) for _ in requests])
+        rows.sampled(tokens)
+        may_stop = rows.may_stop(tokens)
+        for r, token, flagged in zip(requests, tokens.tolist(), may_stop.tolist()):
+            assert flagged == (token == 2 or r.num_output_tokens + 1 >= r.max_tokens)
+        return dict(zip(requests, tokens.tolist()))
+
+    for step in range(8):
+        sampled = run(batch)
+        if step % 3 == 1:  # a rerun of the whole step
+            sampled = run(batch)
+        elif step % 3 == 2:  # the whole call failed: then each half alone
+            sampled = run(batch[:1]) | run(batch[1:])
+        for r in batch:  # postprocess, then the scheduler's new decode slot
+            r.output_token_ids.append(sampled[r])
+            r.num_tokens += 1
+            if len(r.block_ids) * bs < r.num_tokens:
+                r.block_ids.append(next(next_block))
+        rows.advance()
+    check_decode_rows(rows, StepPlan(0, decodes=batch), bs)
