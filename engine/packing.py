@@ -151,8 +151,9 @@ class DecodeRows:
             self._copy_blocks(int(self._last_rows[i]), request.block_ids)
         return index, positions, tokens
 
-    def _assign_rows(self, requests) -> np.ndarray:
-        """Release the rows of requests not in `requests`, give a row to each that has none; their rows."""
+    def _assign_rows(self, requests) -> None:
+        """Release the rows of requests not in `requests`, give a row to each that has none, and remember
+        their rows (as a slice when consecutive)."""
         row_of, wanted = self._row_of, set(requests)
         for request in [r for r in row_of if r not in wanted]:
             row = row_of.pop(request)
@@ -225,7 +226,9 @@ class DecodeRows:
         views = _split(buf, layout)
         tables = views["block_tables"].reshape(layout.num_seqs, layout.width)
         tables[:n] = self.tables[index]  # consecutive rows (the usual case): one block copy
-        tables[n:] = NULL_BLOCK
+        padded = n < layout.num_seqs
+        if padded:
+            tables[n:] = NULL_BLOCK
         bs, counts = self.block_size, self._counts
         # A flat gather from the packed tables (cheaper than a 2-D fancy index); no int64 `%` (3x a `//`)
         page = positions // bs
@@ -234,9 +237,11 @@ class DecodeRows:
         for name, values in (("token_ids", tokens), ("positions", positions), ("context_lens", positions + 1),
                              ("slot_mapping", slots), ("logits_indices", counts[:n])):
             views[name][:n] = values
-            views[name][n:] = 0
+            if padded:
+                views[name][n:] = 0
         views["query_start_loc"][:n + 1] = counts[:n + 1]
-        views["query_start_loc"][n + 1:] = n
+        if padded:
+            views["query_start_loc"][n + 1:] = n
         return buf
 
     def packed_positions(self) -> np.ndarray:

@@ -253,10 +253,11 @@ class ModelRunner:
         buf = rows.pack(decodes, layout)
         self.timings["pack_s"] += time.perf_counter() - t0
         plain = rows.all_plain()  # then no row needs the full sampler's question, nor logprobs
-        # (request, tokens it has after this step): num_tokens, from the packed positions; lazily when the
-        # greedy sampler needs none of it
-        history = zip(decodes, (rows.packed_positions() + 1).tolist())
-        sample = self._call(buf, layout, history if plain else list(history), mode="greedy" if plain else None)
+        # (request, tokens it has after this step): num_tokens, from the packed positions; lazily (numpy
+        # scalars, none made unless read) when the greedy sampler needs none of it
+        lengths = rows.packed_positions() + 1
+        history = zip(decodes, lengths) if plain else list(zip(decodes, lengths.tolist()))
+        sample = self._call(buf, layout, history, mode="greedy" if plain else None)
         tokens = sample[0][:len(decodes)]
         rows.sampled(tokens)
         out.decoded = DecodeTokens(decodes, tokens.tolist(), rows.may_stop(tokens))
