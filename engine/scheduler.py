@@ -142,6 +142,9 @@ class Scheduler:
         self.step_traces: deque[list[tuple[str, dict]]] = deque(maxlen=config.trace_history)
         self._num_steps = 0
         self._next_arrival = 0
+        # The running set as the last schedule() left it (a copy) and its decoders, when that plan ran no
+        # prefill chunk: while the set stays the same, its decoders do too (only a chunk ends a prefill)
+        self._steady: tuple[list[Request], list[Request]] | None = None
 
     # -------------------------------------------------------------- requests in and out
 
@@ -198,6 +201,7 @@ class Scheduler:
         self._drop_admitted(step)
         self._decode(step)
         self.step_traces.append(step.plan.trace)
+        self._steady = None if step.plan.prefills else (list(self.running), step.decoders)
         return step.plan
 
     def _reap(self, step: _StepState) -> None:
@@ -218,10 +222,14 @@ class Scheduler:
         """Blocks admission may hand out: free now (reaped and evictable cached blocks included) minus running
         decoders' new slots and the watermark. Negative means the decoders alone are short."""
         free = self.kv.num_free
-        # Request.in_prefill, inlined in a comprehension (this runs over the whole batch every step): a
-        # property call per request is most of the cost
-        step.decoders = [r for r in self.running
-                         if r.num_computed_tokens >= r.num_tokens - (1 if r.output_token_ids else 0)]
+        steady = self._steady
+        if steady is not None and self.running == steady[0]:  # an identity compare, in C
+            step.decoders = list(steady[1])
+        else:
+            # Request.in_prefill, inlined in a comprehension (this runs over the whole batch every step): a
+            # property call per request is most of the cost
+            step.decoders = [r for r in self.running
+                             if r.num_computed_tokens >= r.num_tokens - (1 if r.output_token_ids else 0)]
         if len(step.decoders) < len(self.running):
             decoding = set(step.decoders)
             step.prefilling = [r for r in self.running if r not in decoding]

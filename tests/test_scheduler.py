@@ -148,6 +148,8 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
         assert ch.start + ch.length <= r.prefill_target
         assert ch.samples == (ch.start + ch.length == r.prefill_target and not r.output_token_ids)
         assert len(r.block_ids) == cdiv(r.prefill_target, c.block_size)
+    # Every running request past its prefill decodes, in running order (Scheduler._steady reuses the list)
+    assert plan.decodes == [r for r in sched.running if not r.in_prefill]
     for r in plan.decodes:
         assert r.status is RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1
         assert len(r.block_ids) == cdiv(r.num_tokens, c.block_size)
