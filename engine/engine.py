@@ -384,7 +384,8 @@ class LLMEngine:
         times["steps"] += 1
         return news
 
-    def _sample_news(self, plan, out: RunnerOutput, finished: list[Request] | None) -> tuple[list[SampleNews], tuple, set[str]]:
+    def _sample_news(self, plan, out: RunnerOutput,
+                     finished: list[Request] | None) -> tuple[list[SampleNews], tuple, set[str]]:
         """Each sample that gained a token this step (postprocess appended it), but for groups that failed
         this step or were aborted: as SampleNews tuples, and the decode batch's as StepNews.decoded columns when
         it can; and the groups of those that finished. `finished`: the requests postprocess finished, when no

@@ -50,7 +50,7 @@ class RunnerOutput:
     # request id -> [(logprob of the next prompt token, top-k), ...] for this step's scored prompt rows
     prompt_logprobs: dict[str, list] = dataclasses.field(default_factory=dict)
 
-    # The decode batch's tokens, when it ran in one call: as arrays, not in `tokens` (the scheduler's fast path)
+    # The decode batch's tokens and stop mask, when it ran in one call (not in `tokens`: postprocess's fast path)
     decoded: DecodeTokens | None = None
 
     def update(self, other: "RunnerOutput") -> None:
@@ -325,9 +325,8 @@ class ModelRunner:
     def _call(self, buf, layout: StepLayout, rows, score_chunk=None, mode: str | None = None):
         """Run the jitted step on a packed buffer, fetch its (small) outputs. `rows`: (request, tokens
         it has once this step is done) per sequence: a list, or with `mode` (the sampler, when the caller knows
-        it) any iterable, read at most once. Returns
-        numpy (tokens, logprob, top_ids, top_logprobs) per logits row, and with `score_chunk` also that
-        chunk's prompt logprobs."""
+        it) any iterable, read at most once. Returns numpy (tokens, logprob, top_ids, top_logprobs) per logits
+        row, and with `score_chunk` also that chunk's prompt logprobs."""
         t0 = time.perf_counter()
         mode = mode or _sampler_mode(rows)
         sampling_md = (build_sampling_metadata([self._sampling_row(r, n) for r, n in rows], layout.num_seqs,

@@ -296,7 +296,8 @@ class Scheduler:
 
     # -------------------------------------------------------------- results
 
-    def postprocess(self, plan: StepPlan, sampled: dict[str, int], decoded: DecodeTokens | None = None) -> list[Request]:
+    def postprocess(self, plan: StepPlan, sampled: dict[str, int],
+                    decoded: DecodeTokens | None = None) -> list[Request]:
         """Advance every planned request by what the runner computed: `sampled` (request id -> token), or
         for the decode batch `decoded` when given. Returns the requests finished now. Their blocks stay until
         the next step's _reap, which counts them in that step's budget."""
