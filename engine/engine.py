@@ -178,6 +178,8 @@ class LLMEngine:
             attention_impl=config.attention_impl, mesh=mesh)
         self.eos_token_ids = tuple(model.cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
         self._groups: dict[str, _Group] = {}
+        # The last decode batch (a copy), its group ids and sample indices: StepNews.decoded's first columns
+        self._decode_keys: tuple[list, list[str], list[int]] = ([], [], [])
         self.outputs = OutputProcessor(tokenizer)  # text and RequestOutputs: step(), or the server's output thread
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
         self._grammar_compiler_lock = threading.Lock()
@@ -371,9 +373,11 @@ class LLMEngine:
         t2 = time.perf_counter()
         errors = {group_id: self._fail_group(group_id, error) for group_id, error in failed.items()
                   if group_id in self._groups}
-        self.scheduler.postprocess(plan, out.tokens)
-        samples, finished_groups = self._sample_news(plan, out)
-        news = StepNews(samples, self._prompt_logprobs_news(out), errors, self.last_step_trace(), time.monotonic())
+        finished = self.scheduler.postprocess(plan, out.tokens, out.decoded)
+        self.runner.advance()  # the tokens are in the requests now: the decode rows move on
+        samples, decoded, finished_groups = self._sample_news(plan, out, finished if not errors else None)
+        news = StepNews(samples, self._prompt_logprobs_news(out), errors, self.last_step_trace(), time.monotonic(),
+                        decoded)
         self._fork_and_retire(plan, finished_groups | errors.keys())
         t3 = time.perf_counter()
         times = self.step_times
@@ -383,17 +387,31 @@ class LLMEngine:
         times["steps"] += 1
         return news
 
-    def _sample_news(self, plan, out: RunnerOutput) -> tuple[list[SampleNews], set[str]]:
+    def _sample_news(self, plan, out: RunnerOutput,
+                     finished: list[Request] | None) -> tuple[list[SampleNews], tuple, set[str]]:
         """Each sample that gained a token this step (postprocess appended it), but for groups that failed
-        this step or were aborted; and the groups of those that finished. O(this step's requests), as
-        comprehensions: this runs over the whole batch every step."""
-        groups, logprobs = self._groups, out.logprobs
+        this step or were aborted: as SampleNews tuples, and the decode batch's as StepNews.decoded columns when
+        it can; and the groups of those that finished. `finished`: the requests postprocess finished, when no
+        group failed this step (else None). O(this step's requests), as comprehensions: this runs over the whole
+        batch every step."""
+        groups, logprobs, decoded = self._groups, out.logprobs, out.decoded
+        columns = finished is not None and not logprobs and decoded is not None and decoded.requests is plan.decodes
         news = []
-        for requests in ([chunk.request for chunk in plan.prefills if chunk.samples], plan.decodes):
+        for requests in ([chunk.request for chunk in plan.prefills if chunk.samples], [] if columns else plan.decodes):
             news += [(r.group_id, r.sample_index, r.output_token_ids[-1],
                       logprobs.get(r.request_id) if logprobs else None, r.finish_reason)
                      for r in requests if (group := groups.get(r.group_id)) is not None and group.error is None]
-        return news, {group_id for group_id, *_, finish_reason in news if finish_reason is not None}
+        if not columns:
+            return news, (), {group_id for group_id, *_, finish_reason in news if finish_reason is not None}
+        # No group failed, and nothing else ends a sample between schedule and postprocess on this thread, so
+        # every decoder's group is live and error free, and the finished requests are postprocess's: no look-ups,
+        # and the columns of group ids and sample indices stay while the batch does.
+        decodes = plan.decodes
+        if decodes != self._decode_keys[0]:  # an identity compare, in C
+            self._decode_keys = (list(decodes), [r.group_id for r in decodes], [r.sample_index for r in decodes])
+        nones = [None] * len(decodes)
+        reasons = [r.finish_reason for r in decodes] if finished else nones
+        return news, (*self._decode_keys[1:], decoded.tokens, nones, reasons), {r.group_id for r in finished}
 
     def _prompt_logprobs_news(self, out: RunnerOutput) -> dict[str, list]:
         return {request_id.rpartition("#")[0]: scores for request_id, scores in out.prompt_logprobs.items()}

@@ -12,8 +12,10 @@ core made meanwhile are dropped here). Work is O(requests with news), never O(al
 """
 
 import dataclasses
+import itertools
 import queue
 import time
+from collections.abc import Iterator
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -54,11 +56,17 @@ SampleNews = tuple[str, int, int, tuple | None, str | None]
 
 @dataclasses.dataclass(slots=True)
 class StepNews:
-    samples: list[SampleNews]              # every sample that gained a token, in step order
+    samples: list[SampleNews]              # every sample that gained a token, in step order, but `decoded`'s
     prompt_logprobs: dict[str, list]       # request id -> this step's scored prompt rows [(logprob, top-k), ...]
     errors: dict[str, str]                 # request id -> why the core failed it (every sample ends "error")
     trace: list                            # the scheduler's decisions this step: [(phase, info), ...]
     finished_at: float                     # time.monotonic() when the core step ended
+    # The decode batch's samples (after `samples`) as SampleNews' five fields in columns, each [batch], when the
+    # core built no tuple per sample (LLMEngine._sample_news); () when it did. Never changed once handed over.
+    decoded: tuple = ()
+
+    def all_samples(self) -> Iterator[SampleNews]:
+        return itertools.chain(self.samples, zip(*self.decoded))
 
 
 # ------------------------------------------------------------------ output state
@@ -148,7 +156,7 @@ class OutputProcessor:
         for request_id, scores in news.prompt_logprobs.items():
             if (group := self.groups.get(request_id)) is not None:
                 self._record_prompt_logprobs(group, scores)
-        for request_id, index, token_id, logprob, finish_reason in news.samples:
+        for request_id, index, token_id, logprob, finish_reason in news.all_samples():
             group = self.groups.get(request_id)
             if group is None or group.error is not None:  # aborted, failed, or ended here already
                 continue

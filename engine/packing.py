@@ -82,91 +82,202 @@ def pack(seqs: Sequence[SeqSlice], layout: StepLayout, block_size: int, all_logi
 
 
 class DecodeRows:
-    """The decode batch's block tables, kept on the host across steps (vLLM v1's persistent batch): a row
-    per decoding request, changed only by what changed since the last step (a new block, a request in or
-    out), so packing a decode step costs O(batch) small Python work plus one numpy gather of the used rows,
-    not a rebuild of batch x context block ids from lists.
+    """The decode batch kept on the host across steps (vLLM v1's persistent batch): a row per decoding
+    request holding its block table, its next inputs (position and token) and what its stop check needs,
+    changed only by what changed since the last step, so packing a decode step costs O(changes) Python
+    work plus a few numpy passes, not a rebuild from every request's lists.
+
+    How a row advances (ModelRunner): `pack` a step's decoders; `sampled(tokens)` once its call returned;
+    `advance()` once the scheduler has appended those tokens to the requests: every row that ran then feeds
+    the token it sampled at its position + 1, without reading its request. Until `advance()` a row keeps
+    this step's inputs, so a rerun of the step (fault isolation) packs the same buffer. A row whose next
+    inputs are not known (new, or one that ran without an advance) reads them from its request.
 
     A row mirrors one `Request.block_ids` list object, which is append-only while the request runs; the
     KV cache manager replaces the list (never edits it in place) when a request loses blocks (recompute,
-    swap), so a different list object means "copy the row again". The row holds that list, so its id
-    cannot be reused while mirrored."""
+    swap), and such a request leaves the decode batch first. So every `sync` releases the rows of requests
+    not in it: call it every step, with [] when none decode. The row holds its request and that list, so
+    neither id can be reused while mirrored."""
 
-    def __init__(self, max_rows: int, width: int, block_size: int):
-        self.block_size = block_size
+    def __init__(self, max_rows: int, width: int, block_size: int, max_model_len: int):
+        self.block_size, self.max_model_len = block_size, max_model_len
         self.tables = np.full((max_rows, width), NULL_BLOCK, np.int32)  # [max_rows, width] block ids per row
-        self._lengths = [0] * max_rows                                  # row -> block ids copied into it
-        self._row_of: dict[str, int] = {}                               # request id -> row
+        self.lengths = np.zeros(max_rows, np.int64)       # [max_rows] block ids copied into each row
+        self.positions = np.zeros(max_rows, np.int64)     # [max_rows] next input position, where `known`
+        self.tokens = np.zeros(max_rows, np.int64)        # [max_rows] next input token, where `known`
+        self.known = np.zeros(max_rows, bool)             # [max_rows] positions/tokens advanced from the last step
+        self.stop_at = np.zeros(max_rows, np.int64)       # [max_rows] num_tokens at which the request ends by length
+        self.every_token = np.zeros(max_rows, bool)       # [max_rows] a grammar: Request.check_stop every token
+        self.plain = np.zeros(max_rows, bool)             # [max_rows] Request.plain_argmax when the row started
+        self.generation = np.zeros(max_rows, np.int64)    # [max_rows] bumped when a row is released
+        self._row_of: dict = {}                                         # request -> row
         self._mirrored: list[list[int] | None] = [None] * max_rows      # row -> the block_ids list it mirrors
+        self._row_stop_ids: list[tuple[int, ...]] = [()] * max_rows     # row -> its request's stop and EOS ids
+        self._stop_id_rows: dict[int, int] = {}  # stop or EOS id -> rows whose request has it
+        self._stop_ids = np.zeros(0, np.int64)   # [n] the keys of _stop_id_rows: any row's token may stop on these
         self._free_rows = list(range(max_rows - 1, -1, -1))
+        self._last_requests: list = []           # the last sync's requests, in order, and their rows:
+        self._last_rows = np.zeros(0, np.int64)  # i64[n], and as a slice when consecutive (numpy's fast path)
+        self._last_index: slice | np.ndarray = slice(0, 0)
+        self._packed = (self._last_index, self._last_rows)  # the last pack's (row index, positions)
+        self._pending: list[tuple] = []          # (row index, generations, next positions, next tokens) to advance to
+        self._counts = np.arange(max_rows + 1, dtype=np.int32)  # 0, 1, ..., max_rows: for the offsets fields
         self.num_row_copies = 0  # rows (re)written whole: a request started or resumed decoding
 
     def __len__(self) -> int:
         return len(self._row_of)
 
-    def sync(self, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def sync(self, requests) -> tuple[slice | np.ndarray, np.ndarray, np.ndarray]:
         """Bring the rows up to date with `requests` (this step's decoders; any other request's row is
-        released). Returns, in order, their rows, positions (num_tokens - 1) and input tokens (the last ones):
-        i64[len(requests)] each. Several comprehensions, not one loop with appends and branches: together
-        half its cost at batch 512."""
-        row_of = self._row_of
-        rows = [row_of.get(r.request_id) for r in requests]
-        if None in rows or len(row_of) > len(rows):  # a request started (or resumed) decoding, or one left
+        released). Returns, in order, their rows (a slice when consecutive, else i64[n]), positions
+        (num_tokens - 1) and input tokens (the last ones): i64[len(requests)] each. Python touches only rows
+        that changed: new ones, and those whose position starts a block not yet copied."""
+        # The same requests as the last step, in the same order (a C-level identity compare): the same rows.
+        if requests != self._last_requests:
             self._assign_rows(requests)
-            rows = [row_of[r.request_id] for r in requests]
-        mirrored, lengths = self._mirrored, self._lengths
-        for row, ids in [(row, r.block_ids) for row, r in zip(rows, requests)
-                         if mirrored[row] is not r.block_ids or len(r.block_ids) != lengths[row]]:
-            copied = lengths[row]
-            if mirrored[row] is not ids:
-                self._release(row)
-                mirrored[row], copied = ids, 0
-                self.num_row_copies += 1
-            self.tables[row, copied:len(ids)] = ids[copied:]
-            lengths[row] = len(ids)
-        positions = np.array([r.num_tokens for r in requests], np.int64) - 1
-        tokens = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in requests]
-        return np.array(rows, np.int64), positions, np.array(tokens, np.int64)
+        index = self._last_index
+        positions, tokens, known = self.positions[index].copy(), self.tokens[index].copy(), self.known[index]
+        changed = positions // self.block_size >= self.lengths[index]  # a new block at this position
+        changed |= ~known
+        if not changed.any():
+            return index, positions, tokens
+        changed = np.flatnonzero(changed)
+        grown = changed[known[changed]]
+        if len(grown):  # known rows: each got exactly one block since (DecodeRows keeps lengths == len(ids))
+            self._append_blocks(self._last_rows[grown], [requests[i].block_ids for i in grown.tolist()])
+        for i in changed[~known[changed]].tolist():
+            request = requests[i]
+            positions[i], tokens[i] = request.num_tokens - 1, request.last_token_id
+            self._copy_blocks(int(self._last_rows[i]), request.block_ids)
+        return index, positions, tokens
 
     def _assign_rows(self, requests) -> None:
-        """Release the rows of requests not in `requests`, then give a row to each that has none."""
-        wanted = {r.request_id for r in requests}
-        for rid in [rid for rid in self._row_of if rid not in wanted]:
-            row = self._row_of.pop(rid)
+        """Release the rows of requests not in `requests`, give a row to each that has none, and remember
+        their rows (as a slice when consecutive)."""
+        row_of, wanted = self._row_of, set(requests)
+        for request in [r for r in row_of if r not in wanted]:
+            row = row_of.pop(request)
             self._release(row)
             self._free_rows.append(row)
-        for r in requests:
-            if r.request_id not in self._row_of:
-                self._row_of[r.request_id] = self._free_rows.pop()
+        for request in requests:
+            if request not in row_of:
+                row_of[request] = row = self._free_rows.pop()
+                self._start(row, request)
+        self._last_requests = list(requests)
+        self._last_rows = rows = np.array([row_of[r] for r in requests], np.int64)
+        n = len(rows)
+        consecutive = n == 0 or (rows[-1] - rows[0] == n - 1 and (np.diff(rows) == 1).all())
+        self._last_index = slice(int(rows[0]), int(rows[0]) + n) if n and consecutive else rows
+
+    def _start(self, row: int, request) -> None:
+        """A request takes a free row: what its stop check and sampler mode need, once."""
+        self.stop_at[row] = min(len(request.prompt_token_ids) + request.max_tokens, self.max_model_len)
+        self.every_token[row] = request.grammar is not None
+        self.plain[row] = request.plain_argmax is True
+        self._row_stop_ids[row] = ids = tuple(set(request.stop_token_ids + request.eos_token_ids))
+        counts = self._stop_id_rows
+        if any(t not in counts for t in ids):
+            self._stop_ids = np.array(sorted(set(counts) | set(ids)), np.int64)
+        for t in ids:
+            counts[t] = counts.get(t, 0) + 1
 
     def _release(self, row: int) -> None:
-        self.tables[row, :self._lengths[row]] = NULL_BLOCK
-        self._lengths[row] = 0
+        self.tables[row, :self.lengths[row]] = NULL_BLOCK
+        self.lengths[row] = 0
         self._mirrored[row] = None
+        self.known[row] = False
+        self.generation[row] += 1
+        counts = self._stop_id_rows
+        for t in self._row_stop_ids[row]:
+            counts[t] -= 1
+            if not counts[t]:
+                del counts[t]
+                self._stop_ids = np.array(sorted(counts), np.int64)
+        self._row_stop_ids[row] = ()
+
+    def _copy_blocks(self, row: int, ids: list[int]) -> None:
+        """Copy the block ids the row lacks (all of them when it mirrors another list)."""
+        copied = int(self.lengths[row])
+        if self._mirrored[row] is not ids:
+            self.tables[row, :copied] = NULL_BLOCK
+            self._mirrored[row], copied = ids, 0
+            self.num_row_copies += 1
+        self.tables[row, copied:len(ids)] = ids[copied:]
+        self.lengths[row] = len(ids)
+
+    def _append_blocks(self, rows: np.ndarray, lists: list[list[int]]) -> None:
+        """Rows mirroring these lists, each now one block longer: their last ids, in one numpy write."""
+        lengths = self.lengths[rows]
+        if any(self._mirrored[row] is not ids or len(ids) != length + 1
+               for row, ids, length in zip(rows.tolist(), lists, lengths.tolist())):
+            for row, ids in zip(rows.tolist(), lists):  # not the protocol's case: row by row
+                self._copy_blocks(row, ids)
+            return
+        self.tables[rows, lengths] = [ids[-1] for ids in lists]
+        self.lengths[rows] = lengths + 1
 
     def pack(self, requests, layout: StepLayout) -> np.ndarray:
         """The decode step's buffer for `requests` (each feeds its last token at position num_tokens - 1);
         equal to pack() over the same requests."""
         n = len(requests)
-        rows, positions, tokens = self.sync(requests)
+        index, positions, tokens = self.sync(requests)
+        self._packed = index, positions
         buf = np.empty(layout.size, np.int32)  # every field is written whole below: no zeroing pass first
         views = _split(buf, layout)
         tables = views["block_tables"].reshape(layout.num_seqs, layout.width)
-        if n and rows[-1] - rows[0] == n - 1 and (n == 1 or (np.diff(rows) == 1).all()):
-            tables[:n] = self.tables[rows[0]:rows[0] + n]  # consecutive rows (the usual case): one block copy
-        else:
-            np.take(self.tables, rows, axis=0, out=tables[:n])
-        tables[n:] = NULL_BLOCK
-        bs = self.block_size
+        tables[:n] = self.tables[index]  # consecutive rows (the usual case): one block copy
+        padded = n < layout.num_seqs
+        if padded:
+            tables[n:] = NULL_BLOCK
+        bs, counts = self.block_size, self._counts
+        # A flat gather from the packed tables (cheaper than a 2-D fancy index); no int64 `%` (3x a `//`)
+        page = positions // bs
+        slots = tables.reshape(-1)[counts[:n] * layout.width + page] * bs + (positions - page * bs)
         # Padding rows: token 0 at position 0, writing into the null block's slot 0, attending to nothing.
         for name, values in (("token_ids", tokens), ("positions", positions), ("context_lens", positions + 1),
-                             ("slot_mapping", self.tables[rows, positions // bs] * bs + positions % bs),
-                             ("logits_indices", np.arange(n))):
+                             ("slot_mapping", slots), ("logits_indices", counts[:n])):
             views[name][:n] = values
-            views[name][n:] = 0
-        views["query_start_loc"][:n + 1] = np.arange(n + 1)
-        views["query_start_loc"][n + 1:] = n
+            if padded:
+                views[name][n:] = 0
+        views["query_start_loc"][:n + 1] = counts[:n + 1]
+        if padded:
+            views["query_start_loc"][n + 1:] = n
         return buf
+
+    def packed_positions(self) -> np.ndarray:
+        """i64[n]: the last pack's positions (num_tokens - 1 of each request)."""
+        return self._packed[1]
+
+    def all_plain(self) -> bool:
+        """Every row of the last pack is plain argmax (Request.plain_argmax): the greedy sampler serves them."""
+        return bool(self.plain[self._packed[0]].all())
+
+    def may_stop(self, tokens: np.ndarray) -> np.ndarray:
+        """bool[n]: for the last pack's rows and the tokens they sampled, where Request.check_stop may end the
+        request (a stop or EOS id of any row, its length reached, a grammar); elsewhere it surely returns None."""
+        index, positions = self._packed
+        stop = self.every_token[index] | (positions + 2 >= self.stop_at[index])  # num_tokens after the append
+        if len(self._stop_ids) > 4:
+            stop |= np.isin(tokens, self._stop_ids)
+        else:
+            for stop_id in self._stop_ids.tolist():  # a comparison each is cheaper than np.isin for a few
+                stop |= tokens == stop_id
+        return stop
+
+    def sampled(self, tokens: np.ndarray) -> None:
+        """The last pack's rows sampled `tokens` ([n]): their next inputs, for `advance`."""
+        index, positions = self._packed
+        self._pending.append((index, self.generation[index].copy(), positions + 1, tokens))
+
+    def advance(self) -> None:
+        """The tokens given to `sampled` since the last advance were appended to their requests: each row
+        that still has its request feeds its token next, one position on."""
+        for index, generations, positions, tokens in self._pending:
+            same = self.generation[index] == generations
+            if not same.all():  # some rows changed hands since (fault isolation's partial runs)
+                index, positions, tokens = np.arange(len(self.known))[index][same], positions[same], tokens[same]
+            self.positions[index], self.tokens[index], self.known[index] = positions, tokens, True
+        self._pending.clear()
 
 
 def unpack(buf, layout: StepLayout):

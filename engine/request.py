@@ -55,10 +55,16 @@ class Request:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def append_output(self, token: int, max_model_len: int) -> str | None:
-        """Add an output token (the one way one is added), finishing the request if it stops there; returns
-        check_stop's finish reason or None."""
+        """Add an output token (the one way one is added, but for a decode batch's in Scheduler.postprocess),
+        finishing the request if it stops there; returns check_stop's finish reason or None."""
         self.output_token_ids.append(token)
         self.num_tokens += 1
+        return self.stop_after_append(token, max_model_len)
+
+    def stop_after_append(self, token: int, max_model_len: int) -> str | None:
+        """check_stop on the output token just appended, finishing the request if it stops there.
+        Scheduler.postprocess appends a decode batch's tokens itself and asks this only of the rows whose
+        token may stop (the others' check_stop surely returns None)."""
         reason = self.check_stop(token, max_model_len)
         if reason is not None:
             self.finish(reason)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from engine.packing import DecodeRows, SeqSlice, StepLayout, bucket, pack
 from engine.sampler import SamplingRow, build_sampling_metadata, needs_full_sampler
 from engine.sampling_params import SamplingParams
+from engine.scheduler import DecodeTokens
 from engine.step import prompt_logprobs_step, sample_step
 from models.loading import LoadedModel
 from models.paged import NULL_BLOCK, init_kv_cache
@@ -49,8 +50,14 @@ class RunnerOutput:
     # request id -> [(logprob of the next prompt token, top-k), ...] for this step's scored prompt rows
     prompt_logprobs: dict[str, list] = dataclasses.field(default_factory=dict)
 
+    # The decode batch's tokens and stop mask, when it ran in one call (not in `tokens`: postprocess's fast path)
+    decoded: DecodeTokens | None = None
+
     def update(self, other: "RunnerOutput") -> None:
+        """Fold in a run of part of the step (fault isolation): its decode tokens too, by request id."""
         self.tokens.update(other.tokens)
+        if other.decoded is not None:
+            self.tokens.update(zip([r.request_id for r in other.decoded.requests], other.decoded.tokens))
         self.logprobs.update(other.logprobs)
         self.prompt_logprobs.update(other.prompt_logprobs)
 
@@ -188,7 +195,7 @@ class ModelRunner:
                               self.kv_dtype),
             out_shardings=(self.device_sharding, self.device_sharding))()
         self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
-        self.decode_rows = DecodeRows(max_num_seqs, self.buckets.width, block_size)
+        self.decode_rows = DecodeRows(max_num_seqs, self.buckets.width, block_size, max_model_len)
         self.host_sharding = host_memory_sharding(self.mesh)
         self.swapped: dict[tuple[int, ...], list] = {}  # host block ids -> the blocks' contents in host memory
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
@@ -233,14 +240,35 @@ class ModelRunner:
         for i in range(0, len(plain), self.buckets.prefill_seqs):
             self._run_prefill(plain[i:i + self.buckets.prefill_seqs], out, score=False)
         if decodes:
-            t0 = time.perf_counter()
-            rows = [(r, r.num_tokens) for r in decodes]
-            mode = _sampler_mode(rows)
-            layout = self.layout_for(decodes, decode=True, mode=mode)
-            buf = self.decode_rows.pack(decodes, layout)
-            self.timings["pack_s"] += time.perf_counter() - t0
-            self._collect(decodes, self._call(buf, layout, rows, mode), out)
+            self._run_decodes(decodes, out)
+        else:
+            self.decode_rows.sync([])  # the rows of requests that left the batch go (DecodeRows: every step)
         return out
+
+    def advance(self) -> None:
+        """The last step's tokens are in its requests (Scheduler.postprocess): the decode rows move on."""
+        self.decode_rows.advance()
+
+    def _run_decodes(self, decodes, out: "RunnerOutput") -> None:
+        t0 = time.perf_counter()
+        rows = self.decode_rows
+        # The sampler decides the layout only while a cold lazy start is still compiling (layout_for); asked
+        # then of every row, otherwise only of the rows not plain argmax, after the pack.
+        mode = _sampler_mode([(r, r.num_tokens) for r in decodes]) if self._ready is not None else None
+        layout = self.layout_for(decodes, decode=True, mode=mode or "greedy")
+        buf = rows.pack(decodes, layout)
+        self.timings["pack_s"] += time.perf_counter() - t0
+        plain = rows.all_plain()  # then no row needs the full sampler's question, nor logprobs
+        # (request, tokens it has after this step): num_tokens, from the packed positions; lazily (numpy
+        # scalars, none made unless read) when the greedy sampler needs none of it
+        lengths = rows.packed_positions() + 1
+        history = zip(decodes, lengths) if plain else list(zip(decodes, lengths.tolist()))
+        sample = self._call(buf, layout, history, mode=mode or ("greedy" if plain else None))
+        tokens = sample[0][:len(decodes)]
+        rows.sampled(tokens)
+        out.decoded = DecodeTokens(decodes, tokens.tolist(), rows.may_stop(tokens))
+        if not plain:
+            self._collect_logprobs(decodes, sample, out)
 
     @property
     def cache_lost(self) -> bool:
@@ -258,16 +286,20 @@ class ModelRunner:
         self.timings["pack_s"] += time.perf_counter() - t0
         if score:
             (chunk,) = chunks
-            sample, scores = self._call(buf, layout, rows, mode, score_chunk=chunk)
+            sample, scores = self._call(buf, layout, rows, score_chunk=chunk, mode=mode)
             out.prompt_logprobs.setdefault(chunk.request.request_id, []).extend(scores)
         else:
-            sample = self._call(buf, layout, rows, mode)
+            sample = self._call(buf, layout, rows, mode=mode)
         sampling = [c for c in chunks if c.samples]
         self._collect([c.request for c in sampling], _select_rows(sample, [chunks.index(c) for c in sampling]), out)
 
     def _collect(self, requests, sample, out: "RunnerOutput"):
-        tokens, logprob, top_ids, top_lp = sample
-        out.tokens.update(zip([r.request_id for r in requests], tokens.tolist()))
+        out.tokens.update(zip([r.request_id for r in requests], sample[0].tolist()))
+        self._collect_logprobs(requests, sample, out)
+
+    @staticmethod
+    def _collect_logprobs(requests, sample, out: "RunnerOutput"):
+        _, logprob, top_ids, top_lp = sample
         for i, r in [(i, r) for i, r in enumerate(requests)
                      if r.plain_argmax is not True and r.params is not None and r.params.logprobs is not None]:
             k = r.params.logprobs
@@ -309,12 +341,13 @@ class ModelRunner:
                     return make(size)
         return make(exact)
 
-    def _call(self, buf, layout: StepLayout, rows, mode: str, score_chunk=None):
+    def _call(self, buf, layout: StepLayout, rows, score_chunk=None, mode: str | None = None):
         """Run the jitted step on a packed buffer, fetch its (small) outputs. `rows`: (request, tokens
-        it has once this step is done) per sequence; `mode`: their sampler (_sampler_mode). Returns numpy
-        (tokens, logprob, top_ids, top_logprobs) per logits row, and with `score_chunk` also that chunk's
-        prompt logprobs."""
+        it has once this step is done) per sequence: a list, or with `mode` (the sampler, when the caller knows
+        it) any iterable, read at most once. Returns numpy (tokens, logprob, top_ids, top_logprobs) per logits
+        row, and with `score_chunk` also that chunk's prompt logprobs."""
         t0 = time.perf_counter()
+        mode = mode or _sampler_mode(rows)
         sampling_md = (build_sampling_metadata([self._sampling_row(r, n) for r, n in rows], layout.num_seqs,
                                                layout.width * self.block_size, self.model.cfg.vocab_size)
                        if mode == "full" else None)

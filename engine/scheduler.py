@@ -14,6 +14,8 @@ Every block change goes through the KVCacheManager (self.kv): this module only d
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
 
@@ -86,6 +88,16 @@ class StepPlan:
 
 
 @dataclass(slots=True)
+class DecodeTokens:
+    """A decode batch's sampled tokens as the runner hands them over in one piece (postprocess's fast path)."""
+    requests: list[Request]   # the batch as planned (StepPlan.decodes, the same list)
+    tokens: list[int]         # [len(requests)] the token each sampled
+    # bool[len(requests)]: where Request.check_stop may end the request (packing.DecodeRows.may_stop); the
+    # other rows surely go on, so postprocess skips their check
+    may_stop: np.ndarray
+
+
+@dataclass(slots=True)
 class _Pending:
     """An over-committed admission: its blocks are allocated once _preempt has freed enough."""
     request: Request
@@ -130,6 +142,9 @@ class Scheduler:
         self.step_traces: deque[list[tuple[str, dict]]] = deque(maxlen=config.trace_history)
         self._num_steps = 0
         self._next_arrival = 0
+        # The running set as the last schedule() left it (a copy) and its decoders, when that plan ran no
+        # prefill chunk: while the set stays the same, its decoders do too (only a chunk ends a prefill)
+        self._steady: tuple[list[Request], list[Request]] | None = None
 
     # -------------------------------------------------------------- requests in and out
 
@@ -186,6 +201,7 @@ class Scheduler:
         self._drop_admitted(step)
         self._decode(step)
         self.step_traces.append(step.plan.trace)
+        self._steady = None if step.plan.prefills else (list(self.running), step.decoders)
         return step.plan
 
     def _reap(self, step: _StepState) -> None:
@@ -206,10 +222,14 @@ class Scheduler:
         """Blocks admission may hand out: free now (reaped and evictable cached blocks included) minus running
         decoders' new slots and the watermark. Negative means the decoders alone are short."""
         free = self.kv.num_free
-        # Request.in_prefill, inlined in a comprehension (this runs over the whole batch every step): a
-        # property call per request is most of the cost
-        step.decoders = [r for r in self.running
-                         if r.num_computed_tokens >= r.num_tokens - (1 if r.output_token_ids else 0)]
+        steady = self._steady
+        if steady is not None and self.running == steady[0]:  # an identity compare, in C
+            step.decoders = list(steady[1])
+        else:
+            # Request.in_prefill, inlined in a comprehension (this runs over the whole batch every step): a
+            # property call per request is most of the cost
+            step.decoders = [r for r in self.running
+                             if r.num_computed_tokens >= r.num_tokens - (1 if r.output_token_ids else 0)]
         if len(step.decoders) < len(self.running):
             decoding = set(step.decoders)
             step.prefilling = [r for r in self.running if r not in decoding]
@@ -276,9 +296,11 @@ class Scheduler:
 
     # -------------------------------------------------------------- results
 
-    def postprocess(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Advance every planned request by what the runner computed; returns the requests finished now.
-        Their blocks stay until the next step's _reap, which counts them in that step's budget."""
+    def postprocess(self, plan: StepPlan, sampled: dict[str, int],
+                    decoded: DecodeTokens | None = None) -> list[Request]:
+        """Advance every planned request by what the runner computed: `sampled` (request id -> token), or
+        for the decode batch `decoded` when given. Returns the requests finished now. Their blocks stay until
+        the next step's _reap, which counts them in that step's budget."""
         finished = []
         for chunk in plan.prefills:
             request = chunk.request
@@ -291,20 +313,31 @@ class Scheduler:
             self.kv.publish_computed(request)  # its K/V are written now: later admissions may share them
             if chunk.samples and request.append_output(sampled[request.request_id], self.config.max_model_len):
                 finished.append(request)
-        # The whole batch, every step: locals and no helper calls beyond the request's own
-        publish, max_model_len, block_size = self.kv.publish_computed, self.config.max_model_len, self.config.block_size
-        finished_status = RequestStatus.FINISHED
-        for request in plan.decodes:
-            if request.status is finished_status:
+        decodes = plan.decodes
+        if decoded is not None and decoded.requests is decodes:
+            tokens, may_stop = decoded.tokens, np.flatnonzero(decoded.may_stop).tolist()
+        else:
+            tokens = [None if r.status is RequestStatus.FINISHED else sampled[r.request_id] for r in decodes]
+            may_stop = range(len(decodes))
+        # The whole batch, every step: locals, no calls but the list's append. Request.append_output in two
+        # halves: the append here for every row, the stop check below only where the token may stop.
+        publish, block_size, finished_status = self.kv.publish_computed, self.config.block_size, RequestStatus.FINISHED
+        for request, token in zip(decodes, tokens):
+            if request.status is finished_status:  # aborted after schedule()
                 continue
-            computed = request.num_computed_tokens + 1
-            if computed != request.num_tokens:
-                raise RuntimeError(f"request {request.request_id!r}: decoding with {computed - 1}"
-                                   f" of {request.num_tokens} tokens computed (plan applied twice?)")
-            request.num_computed_tokens = computed
-            if computed % block_size == 0:  # one more token fills a block at most here
+            n = request.num_tokens
+            if request.num_computed_tokens + 1 != n:
+                raise RuntimeError(f"request {request.request_id!r}: decoding with {request.num_computed_tokens}"
+                                   f" of {n} tokens computed (plan applied twice?)")
+            request.num_computed_tokens = n
+            if n % block_size == 0:  # one more token fills a block at most here
                 publish(request)
-            if request.append_output(sampled[request.request_id], max_model_len):
+            request.output_token_ids.append(token)
+            request.num_tokens = n + 1
+        max_model_len = self.config.max_model_len
+        for i in may_stop:
+            request = decodes[i]
+            if request.status is not finished_status and request.stop_after_append(tokens[i], max_model_len):
                 finished.append(request)
         return finished
 

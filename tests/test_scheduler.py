@@ -6,6 +6,7 @@ import collections
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from engine.kv_cache_manager import KVCacheManager
 from engine.packing import DecodeRows, SeqSlice, StepLayout, bucket, pack
 from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, cdiv
+from engine.scheduler import DecodeTokens, Scheduler, SchedulerConfig, StepPlan, cdiv
 
 VOCAB = 64
 PHASES = ["reap", "budget", "admit", "preempt", "decode"]
@@ -147,6 +148,8 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
         assert ch.start + ch.length <= r.prefill_target
         assert ch.samples == (ch.start + ch.length == r.prefill_target and not r.output_token_ids)
         assert len(r.block_ids) == cdiv(r.prefill_target, c.block_size)
+    # Every running request past its prefill decodes, in running order (Scheduler._steady reuses the list)
+    assert plan.decodes == [r for r in sched.running if not r.in_prefill]
     for r in plan.decodes:
         assert r.status is RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1
         assert len(r.block_ids) == cdiv(r.num_tokens, c.block_size)
@@ -159,6 +162,7 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
 def check_decode_rows(rows: DecodeRows, plan: StepPlan, block_size: int) -> None:
     """The persistent decode rows pack exactly the buffer a from-scratch rebuild packs."""
     if not plan.decodes:
+        rows.sync([])  # as ModelRunner.run does: the rows of requests that left go
         return
     n = bucket(len(plan.decodes))
     layout = StepLayout(n, n, rows.tables.shape[1], n, decode=True)
@@ -167,6 +171,24 @@ def check_decode_rows(rows: DecodeRows, plan: StepPlan, block_size: int) -> None
     persistent = rows.pack(plan.decodes, layout)
     assert persistent.tobytes() == rebuilt.tobytes(), f"step {plan.step}: the persistent decode rows differ"
     assert len(rows) == len(plan.decodes)
+
+
+def advance_decode_rows(rows: DecodeRows, sched: Scheduler, plan: StepPlan, sampled: dict[str, int]) -> list:
+    """Postprocess as the engine does, the decode batch handed over as DecodeTokens: the rows' may_stop mask
+    must hold wherever a request stopped on its token (only those rows get the check); then the rows advance
+    (ModelRunner.advance) to the inputs the next check_decode_rows compares with a rebuild."""
+    decoded = None
+    if plan.decodes:
+        tokens = np.array([sampled[r.request_id] for r in plan.decodes])
+        rows.sampled(tokens)
+        decoded = DecodeTokens(plan.decodes, tokens.tolist(), rows.may_stop(tokens))
+    was_finished = [r.is_finished for r in plan.decodes]
+    finished = sched.postprocess(plan, sampled, decoded)
+    for i, r in enumerate(plan.decodes):
+        if r.is_finished and not was_finished[i]:
+            assert decoded.may_stop[i], f"{r.request_id} stopped ({r.finish_reason}) on a row may_stop passed over"
+    rows.advance()
+    return finished
 
 
 def check_cache_contents(sched: Scheduler, runner: FakeRunner, seen: dict[bytes, list]) -> None:
@@ -205,7 +227,8 @@ def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]]
         max_steps: int = 5000) -> Run:
     """Drive scheduler + fake runner to completion, checking the plan and all invariants every step."""
     sched, runner, aborts = Scheduler(config), FakeRunner(config.block_size), aborts or {}
-    decode_rows = DecodeRows(config.max_num_seqs, cdiv(config.max_model_len, config.block_size), config.block_size)
+    decode_rows = DecodeRows(config.max_num_seqs, cdiv(config.max_model_len, config.block_size), config.block_size,
+                             config.max_model_len)
     requests, rejected, plans, cache_seen = {}, [], [], {}
     first_scheduled, finished_at, chunks = {}, {}, []
     last_arrival = max((s.arrival_step for s in specs), default=0)
@@ -235,7 +258,7 @@ def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]]
             first_scheduled.setdefault(ch.request.request_id, step)
             chunks.append((step, ch.request.request_id, ch.start, ch.length, ch.request.prefill_target))
         sampled = runner.execute(plan)
-        for r in sched.postprocess(plan, sampled):
+        for r in advance_decode_rows(decode_rows, sched, plan, sampled):
             finished_at[r.request_id] = step
         sched.check_invariants()
         check_cache_contents(sched, runner, cache_seen)
@@ -715,3 +738,39 @@ def test_seeded_random_workloads_cover_every_path(monkeypatch):
     for path in ("swap", "recompute", "swap fallback", "over-commit", "abort waiting", "abort mid-prefill",
                  "abort running", "abort swapped", "prefix hit", "swap keeping a shared head"):
         assert seen[path] > 0, f"no {path} in the sweep: {dict(seen)}"
+
+
+def test_decode_rows_survive_reruns_and_partial_runs():
+    """Fault isolation's pattern on the persistent rows: a step packed again before advance() (a rerun) packs
+    the same inputs, and runs of parts of the batch (which release each other's rows) advance only the rows
+    that kept their request. Every buffer equals a from-scratch pack; may_stop flags EOS and the last token."""
+    bs, rng = 4, random.Random(0)
+    rows, next_block = DecodeRows(4, 8, bs, 32), iter(range(1, 100))
+    batch = [Request(f"r{i}", [3 + i] * (2 + 3 * i), max_tokens=9, eos_token_ids=(2,)) for i in range(3)]
+    for r in batch:
+        r.output_token_ids.append(5)
+        r.num_tokens += 1
+        r.block_ids = [next(next_block) for _ in range(cdiv(r.num_tokens, bs))]
+
+    def run(requests):  # pack (checked against a rebuild), then the sampled tokens
+        check_decode_rows(rows, StepPlan(0, decodes=requests), bs)
+        tokens = np.array([rng.choice([2, 6, 7]) for _ in requests])
+        rows.sampled(tokens)
+        may_stop = rows.may_stop(tokens)
+        for r, token, flagged in zip(requests, tokens.tolist(), may_stop.tolist()):
+            assert flagged == (token == 2 or r.num_output_tokens + 1 >= r.max_tokens)
+        return dict(zip(requests, tokens.tolist()))
+
+    for step in range(8):
+        sampled = run(batch)
+        if step % 3 == 1:  # a rerun of the whole step
+            sampled = run(batch)
+        elif step % 3 == 2:  # the whole call failed: then each half alone
+            sampled = run(batch[:1]) | run(batch[1:])
+        for r in batch:  # postprocess, then the scheduler's new decode slot
+            r.output_token_ids.append(sampled[r])
+            r.num_tokens += 1
+            if len(r.block_ids) * bs < r.num_tokens:
+                r.block_ids.append(next(next_block))
+        rows.advance()
+    check_decode_rows(rows, StepPlan(0, decodes=batch), bs)
