@@ -129,11 +129,17 @@ class Buckets:
                 return size
         raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
+    def decode_layout(self, rows: int) -> StepLayout:
+        return StepLayout(rows, rows, self.width, rows, decode=True)
+
+    def prefill_layout(self, tokens: int, all_logits: bool = False) -> StepLayout:
+        return StepLayout(tokens, self.prefill_seqs, self.width, tokens if all_logits else self.prefill_seqs,
+                          decode=False)
+
     def step_layouts(self) -> list[StepLayout]:
         """Every layout a plain (not prompt-scoring) step can take: what warm-up compiles."""
-        return ([StepLayout(rows, rows, self.width, rows, decode=True) for rows in self.decode_batch] +
-                [StepLayout(tokens, self.prefill_seqs, self.width, self.prefill_seqs, decode=False)
-                 for tokens in self.prefill_tokens])
+        return ([self.decode_layout(rows) for rows in self.decode_batch] +
+                [self.prefill_layout(tokens) for tokens in self.prefill_tokens])
 
 
 @functools.cache
@@ -327,12 +333,10 @@ class ModelRunner:
         costs less than compiling its program (~1 s) in it."""
         b = self.buckets
         if decode:
-            sizes, n = b.decode_batch, len(seqs)
-            make = lambda size: StepLayout(size, size, b.width, size, decode=True)  # noqa: E731
+            sizes, n, make = b.decode_batch, len(seqs), b.decode_layout
         else:
             sizes, n = b.prefill_tokens, sum(len(s.token_ids) for s in seqs)
-            make = lambda size: StepLayout(size, b.prefill_seqs, b.width,  # noqa: E731
-                                           size if all_logits else b.prefill_seqs, decode=False)
+            make = functools.partial(b.prefill_layout, all_logits=all_logits)
         exact = b.pick(sizes, n)
         ready = self._ready
         if ready is not None and not all_logits:  # scored prompts' programs are never warmed: theirs
