@@ -26,8 +26,9 @@ WARMUP_MODES = ("full", "lazy", "none")
 
 from engine.multihost import agree_min
 from engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput, SampleNews, StepNews  # noqa: F401
-from engine.request import Request
-from engine.runner import CompileCounter, ModelRunner, RunnerOutput, kv_bytes_per_block, num_blocks_for_memory
+from engine.request import Request, RequestStatus
+from engine.runner import (CompileCounter, DecodeFlight, ModelRunner, RunnerOutput, kv_bytes_per_block,
+                           num_blocks_for_memory)
 from engine.sampling_params import MAX_SEED, SamplingParams, SamplingParamsError, is_valid_unicode
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured import CompiledGrammar, GrammarCompiler
@@ -65,6 +66,8 @@ class EngineConfig:
     data_parallel_size: int = 1            # independent replicas, each on its own tensor_parallel_size devices
     scan_layers: bool = True               # one scanned layer (compile time independent of depth); False:
                                            # layers unrolled, compile time ~ depth
+    async_scheduling: bool = False         # plan and dispatch the next decode step while the last one runs,
+                                           # its tokens fed on the device (LLMEngine.step_core)
     warmup: str = "none"                   # compile in __init__: "full" every step shape, both samplers;
                                            # "lazy" each sampler's largest decode and prefill (steps pad up
                                            # to them), the rest in the background;
@@ -180,12 +183,16 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         # The last decode batch (a copy), its group ids and sample indices: StepNews.decoded's first columns
         self._decode_keys: tuple[list, list[str], list[int]] = ([], [], [])
+        # Async scheduling: the decode step dispatched and not yet landed, with its plan; None when none is
+        self._flight: tuple[object, DecodeFlight] | None = None
         self.outputs = OutputProcessor(tokenizer)  # text and RequestOutputs: step(), or the server's output thread
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
         self._grammar_compiler_lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
         self._next_id = 0
-        self.step_times = {"schedule_s": 0.0, "execute_s": 0.0, "postprocess_s": 0.0, "outputs_s": 0.0, "steps": 0}
+        # "planned_ahead": steps planned and dispatched before the last one's tokens were in (async scheduling)
+        self.step_times = {"schedule_s": 0.0, "execute_s": 0.0, "postprocess_s": 0.0, "outputs_s": 0.0, "steps": 0,
+                           "planned_ahead": 0}
         cache_s = time.perf_counter() - started - load_s
         counter = CompileCounter.install()
         compiled, loaded = counter.count, counter.cache_hits
@@ -299,7 +306,7 @@ class LLMEngine:
             self.runner.drop_swapped(request.host_block_ids)
 
     def has_unfinished(self) -> bool:
-        return bool(self._groups) or self.scheduler.has_unfinished()
+        return bool(self._groups) or self.scheduler.has_unfinished() or self._flight is not None
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (e.g. after swapping weights); False, changing nothing, while a
@@ -360,16 +367,40 @@ class LLMEngine:
 
         Fault isolation: a request whose step fails (its inputs, its sampling, its detokenizing) ends with
         finish_reason "error" and its blocks freed, and the rest of the batch goes on. Only a fault that
-        leaves the device state unknown raises EngineDeadError."""
+        leaves the device state unknown raises EngineDeadError.
+
+        Async scheduling (EngineConfig.async_scheduling): a step that only decodes, with no row that needs its
+        last token on the host first (a grammar, penalties, min_tokens), is dispatched and left running; the
+        next call plans and dispatches the step after it, whose rows take their input tokens from the device,
+        and only then fetches and folds in the first one's tokens (its news is what that call returns). So the
+        device does not wait for the host's scheduling, packing and postprocessing between decode steps. A
+        call that cannot plan ahead (anything to admit, a prefill chunk, too few free blocks) only lands the
+        step in flight; the next one plans as usual."""
         t0 = time.perf_counter()
         self._apply_output_finishes()
+        flight = self._flight
+        if flight is not None and not self.scheduler.can_schedule_ahead():
+            self._flight = None
+            return self._timed(t0, t0, time.perf_counter(), self._land(*flight))
         try:
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(ahead=flight is not None)
         except Exception as e:
             raise EngineDeadError(f"the scheduler failed: {e!r}") from e
         t1 = time.perf_counter()
         failed: dict[str, Exception] = {}
-        out = self._execute(plan, failed)
+        started = None
+        decodes_only = not (plan.prefills or plan.swap_out or plan.swap_in)
+        if flight is not None and not decodes_only:
+            raise EngineDeadError(f"scheduler bug: step {plan.step}, planned ahead, is not decodes only")
+        if plan.decodes and (flight is not None or (self.config.async_scheduling and decodes_only)):
+            started = self._dispatch(plan, flight)
+        self._flight = (plan, started) if started is not None else None
+        if flight is not None:  # its news is this call's; the plan made ahead of it is decodes only
+            self.step_times["planned_ahead"] += 1
+            return self._timed(t0, t1, time.perf_counter(), self._land(*flight))
+        if started is not None:
+            return self._timed(t0, t1, time.perf_counter(), StepNews([], {}, {}, [], time.monotonic()))
+        out = self._execute(plan, failed)  # synchronously
         t2 = time.perf_counter()
         errors = {group_id: self._fail_group(group_id, error) for group_id, error in failed.items()
                   if group_id in self._groups}
@@ -379,13 +410,57 @@ class LLMEngine:
         news = StepNews(samples, self._prompt_logprobs_news(out), errors, self.last_step_trace(), time.monotonic(),
                         decoded)
         self._fork_and_retire(plan, finished_groups | errors.keys())
-        t3 = time.perf_counter()
+        return self._timed(t0, t1, t2, news)
+
+    def _timed(self, t0: float, t1: float, t2: float, news: StepNews) -> StepNews:
+        """Add a step's phases (schedule until t1, execute until t2, postprocess until now) to step_times."""
         times = self.step_times
         times["schedule_s"] += t1 - t0
         times["execute_s"] += t2 - t1
-        times["postprocess_s"] += t3 - t2
+        times["postprocess_s"] += time.perf_counter() - t2
         times["steps"] += 1
         return news
+
+    def _dispatch(self, plan, flight) -> DecodeFlight | None:
+        """Async scheduling: start the plan's decode batch (ModelRunner.dispatch_decodes); None when a row needs
+        its last token on the host first. A plan made ahead of a flight's tokens has no synchronous fallback (a
+        row planned ahead never needs one: can_schedule_ahead admits no new row), nor fault isolation: a failure
+        there ends the engine."""
+        try:
+            started = self.runner.dispatch_decodes(plan.decodes)
+        except Exception as e:
+            if flight is not None or self.runner.cache_lost:
+                raise EngineDeadError(f"an async decode step failed: {e!r}") from e
+            log.warning("dispatching step %d failed (%r); running it synchronously", plan.step, e)
+            return None  # nothing started: the synchronous step isolates the request that makes it fail
+        if started is None and flight is not None:
+            raise EngineDeadError("a decode row that needs its last token on the host was planned ahead")
+        return started
+
+    def _land(self, plan, flight: DecodeFlight) -> StepNews:
+        """Fetch a dispatched decode step's tokens and fold them in as a synchronous step's postprocess does.
+        Its batch may hold requests that ended after it was planned (their rows ran one token too many):
+        those are left out of its news."""
+        try:
+            out = self.runner.land(flight)
+        except Exception as e:
+            raise EngineDeadError(f"an async decode step failed: {e!r}") from e
+        finished_status = RequestStatus.FINISHED
+        stale = [r for r in plan.decodes if r.status is finished_status]
+        finished = self.scheduler.postprocess(plan, out.tokens, out.decoded)
+        if stale:  # the news of the others only, request by request (the columns are the whole batch's)
+            stale = set(stale)
+            plan = dataclasses.replace(plan, decodes=[r for r in plan.decodes if r not in stale])
+            out.decoded, finished = None, None
+        samples, decoded, finished_groups = self._sample_news(plan, out, finished)
+        news = StepNews(samples, {}, {}, plan.trace, time.monotonic(), decoded)
+        self._fork_and_retire(plan, finished_groups)
+        return news
+
+    def check_invariants(self) -> None:
+        """Scheduler.check_invariants, knowing the decode step in flight (async scheduling): between steps."""
+        self.scheduler.check_invariants(self._flight[0].decodes if self._flight is not None else (),
+                                        planned_ahead=self.config.async_scheduling)
 
     def _sample_news(self, plan, out: RunnerOutput,
                      finished: list[Request] | None) -> tuple[list[SampleNews], tuple, set[str]]:

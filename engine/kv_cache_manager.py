@@ -91,11 +91,12 @@ class KVCacheManager:
         """A decoding request (or one resuming to decode) whose next position starts a new block."""
         return not request.in_prefill and self.blocks_for(request.num_tokens) > self.num_blocks(request)
 
-    def decode_slot_takers(self, decoders: list[Request]) -> list[Request]:
+    def decode_slot_takers(self, decoders: list[Request], ahead: int = 0) -> list[Request]:
         """needs_decode_slot over running decoders (known past their prefill, no host blocks): the scheduler's
-        per-step pass over the whole batch, so one comparison each."""
+        per-step pass over the whole batch, so one comparison each. `ahead`: tokens each has in flight, not yet
+        counted in num_tokens (async scheduling), whose slots come first."""
         bs = self.block_size
-        return [r for r in decoders if len(r.block_ids) * bs < r.num_tokens]
+        return [r for r in decoders if len(r.block_ids) * bs < r.num_tokens + ahead]
 
     # -------------------------------------------------------------- admission
 

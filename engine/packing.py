@@ -25,7 +25,10 @@ class StepLayout:
 
     def sizes(self) -> tuple[tuple[str, int], ...]:
         t, s = self.num_tokens, self.num_seqs
-        return (("token_ids", t), ("positions", t), ("slot_mapping", t), ("block_tables", s * self.width),
+        # token_source (decode steps only): -1, or where in the device-side tokens of the last decode call
+        # this row's input token is (async scheduling feeds a token the host has not fetched yet)
+        fed = (("token_source", t),) if self.decode else ()
+        return (("token_ids", t), *fed, ("positions", t), ("slot_mapping", t), ("block_tables", s * self.width),
                 ("context_lens", s), ("query_start_loc", s + 1), ("logits_indices", self.num_logits))
 
     @property
@@ -78,6 +81,8 @@ def pack(seqs: Sequence[SeqSlice], layout: StepLayout, block_size: int, all_logi
     qsl[len(seqs):] = row
     if all_logits:
         views["logits_indices"][:row] = np.arange(row)
+    if layout.decode:
+        views["token_source"][:] = -1
     return buf
 
 
@@ -92,6 +97,8 @@ class DecodeRows:
     the token it sampled at its position + 1, without reading its request. Until `advance()` a row keeps
     this step's inputs, so a rerun of the step (fault isolation) packs the same buffer. A row whose next
     inputs are not known (new, or one that ran without an advance) reads them from its request.
+    Under async scheduling a row moves on as soon as its call is dispatched (`dispatched()`): its next input
+    token is then `fed`, read on the device from that call's output, until `landed()` brings it to the host.
 
     A row mirrors one `Request.block_ids` list object, which is append-only while the request runs; the
     KV cache manager replaces the list (never edits it in place) when a request loses blocks (recompute,
@@ -104,11 +111,17 @@ class DecodeRows:
         self.tables = np.full((max_rows, width), NULL_BLOCK, np.int32)  # [max_rows, width] block ids per row
         self.lengths = np.zeros(max_rows, np.int64)       # [max_rows] block ids copied into each row
         self.positions = np.zeros(max_rows, np.int64)     # [max_rows] next input position, where `known`
-        self.tokens = np.zeros(max_rows, np.int64)        # [max_rows] next input token, where `known`
+        self.tokens = np.zeros(max_rows, np.int64)        # [max_rows] next input token, where `known` and not fed
+        # [max_rows] where `known`: -1, or the row's index in the last decode call's output, whose token is its next
+        # input straight from the device (async scheduling: dispatched, not landed yet)
+        self.fed = np.full(max_rows, -1, np.int64)
         self.known = np.zeros(max_rows, bool)             # [max_rows] positions/tokens advanced from the last step
         self.stop_at = np.zeros(max_rows, np.int64)       # [max_rows] num_tokens at which the request ends by length
         self.every_token = np.zeros(max_rows, bool)       # [max_rows] a grammar: Request.check_stop every token
         self.plain = np.zeros(max_rows, bool)             # [max_rows] Request.plain_argmax when the row started
+        # [max_rows] the sampler needs the row's last token on the host (a grammar's mask, penalties' history,
+        # min_tokens' banned ids): no async scheduling past it
+        self.needs_host = np.zeros(max_rows, bool)
         self.generation = np.zeros(max_rows, np.int64)    # [max_rows] bumped when a row is released
         self._row_of: dict = {}                                         # request -> row
         self._mirrored: list[list[int] | None] = [None] * max_rows      # row -> the block_ids list it mirrors
@@ -130,8 +143,9 @@ class DecodeRows:
     def sync(self, requests) -> tuple[slice | np.ndarray, np.ndarray, np.ndarray]:
         """Bring the rows up to date with `requests` (this step's decoders; any other request's row is
         released). Returns, in order, their rows (a slice when consecutive, else i64[n]), positions
-        (num_tokens - 1) and input tokens (the last ones): i64[len(requests)] each. Python touches only rows
-        that changed: new ones, and those whose position starts a block not yet copied."""
+        (num_tokens - 1) and input tokens (the last ones; where `fed`, the device has them): i64[len(requests)]
+        each. Python touches only rows that changed: new ones, and those whose position starts a block not yet
+        copied."""
         # The same requests as the last step, in the same order (a C-level identity compare): the same rows.
         if requests != self._last_requests:
             self._assign_rows(requests)
@@ -149,6 +163,7 @@ class DecodeRows:
             request = requests[i]
             positions[i], tokens[i] = request.num_tokens - 1, request.last_token_id
             self._copy_blocks(int(self._last_rows[i]), request.block_ids)
+            self.fed[self._last_rows[i]] = -1
         return index, positions, tokens
 
     def _assign_rows(self, requests) -> None:
@@ -174,6 +189,9 @@ class DecodeRows:
         self.stop_at[row] = min(len(request.prompt_token_ids) + request.max_tokens, self.max_model_len)
         self.every_token[row] = request.grammar is not None
         self.plain[row] = request.plain_argmax is True
+        params = request.params
+        self.needs_host[row] = (request.grammar is not None or request.min_tokens > 0
+                                or (params is not None and params.has_penalties))
         self._row_stop_ids[row] = ids = tuple(set(request.stop_token_ids + request.eos_token_ids))
         counts = self._stop_id_rows
         if any(t not in counts for t in ids):
@@ -186,6 +204,7 @@ class DecodeRows:
         self.lengths[row] = 0
         self._mirrored[row] = None
         self.known[row] = False
+        self.fed[row] = -1
         self.generation[row] += 1
         counts = self._stop_id_rows
         for t in self._row_stop_ids[row]:
@@ -234,11 +253,11 @@ class DecodeRows:
         page = positions // bs
         slots = tables.reshape(-1)[counts[:n] * layout.width + page] * bs + (positions - page * bs)
         # Padding rows: token 0 at position 0, writing into the null block's slot 0, attending to nothing.
-        for name, values in (("token_ids", tokens), ("positions", positions), ("context_lens", positions + 1),
-                             ("slot_mapping", slots), ("logits_indices", counts[:n])):
+        for name, values in (("token_ids", tokens), ("token_source", self.fed[index]), ("positions", positions),
+                             ("context_lens", positions + 1), ("slot_mapping", slots), ("logits_indices", counts[:n])):
             views[name][:n] = values
             if padded:
-                views[name][n:] = 0
+                views[name][n:] = -1 if name == "token_source" else 0
         views["query_start_loc"][:n + 1] = counts[:n + 1]
         if padded:
             views["query_start_loc"][n + 1:] = n
@@ -252,10 +271,11 @@ class DecodeRows:
         """Every row of the last pack is plain argmax (Request.plain_argmax): the greedy sampler serves them."""
         return bool(self.plain[self._packed[0]].all())
 
-    def may_stop(self, tokens: np.ndarray) -> np.ndarray:
-        """bool[n]: for the last pack's rows and the tokens they sampled, where Request.check_stop may end the
-        request (a stop or EOS id of any row, its length reached, a grammar); elsewhere it surely returns None."""
-        index, positions = self._packed
+    def may_stop(self, tokens: np.ndarray, packed: tuple | None = None) -> np.ndarray:
+        """bool[n]: for the last pack's rows (or `packed`, an earlier `packed_rows()`) and the tokens they sampled,
+        where Request.check_stop may end the request (a stop or EOS id of any row, its length reached, a grammar);
+        elsewhere it surely returns None."""
+        index, positions = packed or self._packed
         stop = self.every_token[index] | (positions + 2 >= self.stop_at[index])  # num_tokens after the append
         if len(self._stop_ids) > 4:
             stop |= np.isin(tokens, self._stop_ids)
@@ -263,6 +283,32 @@ class DecodeRows:
             for stop_id in self._stop_ids.tolist():  # a comparison each is cheaper than np.isin for a few
                 stop |= tokens == stop_id
         return stop
+
+    def can_run_ahead(self) -> bool:
+        """No row of the last pack needs its last token on the host (needs_host): async scheduling may go on."""
+        return not self.needs_host[self._packed[0]].any()
+
+    def packed_rows(self) -> tuple:
+        """The last pack's (row index, positions), for `may_stop` and `landed` once later packs were made."""
+        return self._packed
+
+    def dispatched(self) -> np.ndarray:
+        """Async scheduling: the last pack's call is on its way and its tokens stay on the device for now; each
+        row moves on at once, one position on, its next input being its own output of that call (`fed`).
+        Returns the rows' generations, for `landed`."""
+        index, positions = self._packed
+        self.positions[index], self.known[index] = positions + 1, True
+        self.fed[index] = self._counts[:len(positions)]
+        return self.generation[index].copy()
+
+    def landed(self, packed: tuple, generations: np.ndarray, tokens: np.ndarray) -> None:
+        """The tokens of a dispatched pack reached the host: rows still fed by that call (not dispatched again
+        since, same request) read them from here on, so a later call need not keep the device's copy."""
+        index, positions = packed
+        rows = np.arange(len(self.known))[index]
+        still = (self.generation[rows] == generations) & (self.positions[rows] == positions + 1) & (self.fed[rows] >= 0)
+        rows = rows[still]
+        self.tokens[rows], self.fed[rows] = tokens[still], -1
 
     def sampled(self, tokens: np.ndarray) -> None:
         """The last pack's rows sampled `tokens` ([n]): their next inputs, for `advance`."""
@@ -277,6 +323,7 @@ class DecodeRows:
             if not same.all():  # some rows changed hands since (fault isolation's partial runs)
                 index, positions, tokens = np.arange(len(self.known))[index][same], positions[same], tokens[same]
             self.positions[index], self.tokens[index], self.known[index] = positions, tokens, True
+            self.fed[index] = -1
         self._pending.clear()
 
 
@@ -291,6 +338,11 @@ def unpack(buf, layout: StepLayout):
         decode=layout.decode,
     )
     return parts["token_ids"], parts["positions"], md, parts["logits_indices"]
+
+
+def token_source(buf, layout: StepLayout):
+    """Inside jit: a decode step's token_source field (see StepLayout.sizes)."""
+    return _split(buf, layout)["token_source"]
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:

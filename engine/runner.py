@@ -62,6 +62,17 @@ class RunnerOutput:
         self.prompt_logprobs.update(other.prompt_logprobs)
 
 
+@dataclasses.dataclass(slots=True)
+class DecodeFlight:
+    """A decode call dispatched but not landed (async scheduling): what `ModelRunner.land` needs."""
+    requests: list      # the batch as planned (StepPlan.decodes)
+    sample: object      # its on-device SampleOutput
+    mode: str           # the sampler it ran
+    plain: bool         # every row plain argmax: no logprobs to collect
+    packed: tuple       # DecodeRows.packed_rows() of its pack
+    generations: np.ndarray  # i64[n]: its rows' generations at dispatch (DecodeRows.landed)
+
+
 def _wants_prompt_logprobs(request) -> bool:
     return request.params is not None and request.params.prompt_logprobs is not None
 
@@ -202,6 +213,9 @@ class ModelRunner:
             out_shardings=(self.device_sharding, self.device_sharding))()
         self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
         self.decode_rows = DecodeRows(max_num_seqs, self.buckets.width, block_size, max_model_len)
+        # i32[largest decode batch]: the last decode call's tokens, left on the device (sample_step's `fed`)
+        self.fed = jax.jit(lambda: jnp.zeros(self.buckets.decode_batch[-1], jnp.int32),
+                           out_shardings=jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))()
         self.host_sharding = host_memory_sharding(self.mesh)
         self.swapped: dict[tuple[int, ...], list] = {}  # host block ids -> the blocks' contents in host memory
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
@@ -256,6 +270,46 @@ class ModelRunner:
         self.decode_rows.advance()
 
     def _run_decodes(self, decodes, out: "RunnerOutput") -> None:
+        buf, layout, history, mode, plain = self._pack_decodes(decodes)
+        sample = self._call(buf, layout, history, mode=mode)
+        tokens = sample[0][:len(decodes)]
+        rows = self.decode_rows
+        rows.sampled(tokens)
+        out.decoded = DecodeTokens(decodes, tokens.tolist(), rows.may_stop(tokens))
+        if not plain:
+            self._collect_logprobs(decodes, sample, out)
+
+    def dispatch_decodes(self, decodes) -> DecodeFlight | None:
+        """Async scheduling: start the decode batch's call and return at once, its tokens left on the device;
+        the rows move on now (DecodeRows.dispatched), so the next call can be packed and dispatched before
+        this one's tokens are fetched (`land`). The plan must be decodes only, with no swaps. None, with nothing
+        started, when a row needs its last token on the host first (DecodeRows.can_run_ahead): run it instead."""
+        buf, layout, history, mode, plain = self._pack_decodes(decodes)
+        rows = self.decode_rows
+        if not rows.can_run_ahead():
+            return None
+        t0 = time.perf_counter()
+        (sample, _), mode = self._dispatch(buf, layout, history, None, mode)
+        self.timings["pack_s"] += time.perf_counter() - t0
+        packed = rows.packed_rows()
+        return DecodeFlight(decodes, sample, mode, plain, packed, rows.dispatched())
+
+    def land(self, flight: DecodeFlight) -> "RunnerOutput":
+        """Fetch a dispatched decode call's tokens (waiting for it): the step's RunnerOutput."""
+        t0 = time.perf_counter()
+        sample = fetch_sample(flight.sample, flight.mode)
+        self.timings["device_s"] += time.perf_counter() - t0
+        decodes, rows = flight.requests, self.decode_rows
+        tokens = sample[0][:len(decodes)]
+        rows.landed(flight.packed, flight.generations, tokens)
+        out = RunnerOutput(decoded=DecodeTokens(decodes, tokens.tolist(), rows.may_stop(tokens, flight.packed)))
+        if not flight.plain:
+            self._collect_logprobs(decodes, sample, out)
+        return out
+
+    def _pack_decodes(self, decodes):
+        """The decode batch's buffer and layout, the (request, tokens) rows for the sampler, the sampler when
+        known (else None: _call asks) and whether every row is plain argmax."""
         t0 = time.perf_counter()
         rows = self.decode_rows
         # The sampler decides the layout only while a cold lazy start is still compiling (layout_for); asked
@@ -269,12 +323,7 @@ class ModelRunner:
         # scalars, none made unless read) when the greedy sampler needs none of it
         lengths = rows.packed_positions() + 1
         history = zip(decodes, lengths) if plain else list(zip(decodes, lengths.tolist()))
-        sample = self._call(buf, layout, history, mode=mode or ("greedy" if plain else None))
-        tokens = sample[0][:len(decodes)]
-        rows.sampled(tokens)
-        out.decoded = DecodeTokens(decodes, tokens.tolist(), rows.may_stop(tokens))
-        if not plain:
-            self._collect_logprobs(decodes, sample, out)
+        return buf, layout, history, mode or ("greedy" if plain else None), plain
 
     @property
     def cache_lost(self) -> bool:
@@ -315,16 +364,20 @@ class ModelRunner:
         params = request.params or GREEDY
         # The token history only feeds the penalties: copying prompt + outputs for every row every step
         # would be O(context) host work that the greedy path throws away.
-        if params.has_penalties:
-            history, prompt_len = request.all_token_ids[:history_len], request.num_prompt_tokens
+        if params.has_penalties:  # a mid-prompt chunk's history is part of the prompt (its draw is discarded)
+            history = request.all_token_ids[:history_len]
+            prompt_len = min(request.num_prompt_tokens, history_len)
         else:
             history, prompt_len = (), 0
         # A grammar's mask only for a row whose token is kept: one that reaches the end of the request's tokens
         # (a mid-prompt chunk's, or a recompute's re-prefill of its outputs, is discarded).
         samples = history_len == request.num_tokens
         allowed = request.grammar.allowed_mask() if request.grammar is not None and samples else None
-        return SamplingRow(params, request.seed, request.num_output_tokens, history, prompt_len,
-                           request.banned_token_ids, allowed)
+        # The draw's index among the outputs from history_len, not the request's list: under async scheduling
+        # a decode row runs one token ahead of its request's outputs (the same in a synchronous step).
+        output_index = max(0, history_len - request.num_prompt_tokens)
+        return SamplingRow(params, request.seed, output_index, history, prompt_len, request.banned_token_ids,
+                           allowed)
 
     def layout_for(self, seqs, decode: bool, mode: str = "greedy", all_logits: bool = False) -> StepLayout:
         """The bucketed layout for `seqs` (SeqSlices; for a decode step anything with a length) and the
@@ -351,6 +404,18 @@ class ModelRunner:
         it) any iterable, read at most once. Returns numpy (tokens, logprob, top_ids, top_logprobs) per logits
         row, and with `score_chunk` also that chunk's prompt logprobs."""
         t0 = time.perf_counter()
+        (sample, scores), mode = self._dispatch(buf, layout, rows, score_chunk, mode)
+        t1 = time.perf_counter()
+        sample = fetch_sample(sample, mode)
+        self.timings["pack_s"] += t1 - t0
+        self.timings["device_s"] += time.perf_counter() - t1
+        if score_chunk is None:
+            return sample
+        return sample, self._prompt_scores(score_chunk, jax.device_get(scores))
+
+    def _dispatch(self, buf, layout: StepLayout, rows, score_chunk, mode: str | None):
+        """Start the jitted step (its sampling metadata built here): ((its on-device SampleOutput, prompt scores
+        or None), the sampler mode)."""
         mode = mode or _sampler_mode(rows)
         sampling_md = (build_sampling_metadata([self._sampling_row(r, n) for r, n in rows], layout.num_seqs,
                                                layout.width * self.block_size, self.model.cfg.vocab_size)
@@ -360,14 +425,7 @@ class ModelRunner:
             sample_rows = np.zeros(layout.num_seqs, np.int32)
             sample_rows[0] = score_chunk.length - 1
             scoring = (*self._next_prompt_ids(score_chunk, layout.num_tokens), sample_rows)
-        t1 = time.perf_counter()
-        sample, scores = self._device_call("device_step", buf, sampling_md, layout, mode, scoring)
-        sample = fetch_sample(sample, mode)
-        self.timings["pack_s"] += t1 - t0
-        self.timings["device_s"] += time.perf_counter() - t1
-        if score_chunk is None:
-            return sample
-        return sample, self._prompt_scores(score_chunk, jax.device_get(scores))
+        return self._device_call("device_step", buf, sampling_md, layout, mode, scoring), mode
 
     def device_step(self, buf, sampling_md, layout: StepLayout, mode: str, scoring=None):
         """The one jitted call of a step, from host inputs only (so other processes can replay it):
@@ -376,8 +434,11 @@ class ModelRunner:
         m = self.model
         with jax.set_mesh(self.mesh):
             if scoring is None:
-                sample, self.kv_cache = sample_step(self.graphdef, m.state, self.kv_cache, buf, sampling_md, layout,
-                                                    mode, self.attention_impl)
+                sample, fed, self.kv_cache = sample_step(self.graphdef, m.state, self.kv_cache,
+                                                         self.fed if layout.decode else None, buf, sampling_md,
+                                                         layout, mode, self.attention_impl)
+                if layout.decode:
+                    self.fed = fed
                 return sample, None
             next_ids, num_top, sample_rows = scoring
             scores, sample, self.kv_cache = prompt_logprobs_step(
@@ -520,16 +581,8 @@ class ModelRunner:
     def _compile_steps(self, groups, cache, threads: int, progress: bool):
         """Compile sample_step for each (layout, sampler mode) of each group (programs, warm record or None)
         against `cache` (ShapeDtypeStructs), on `threads` threads; a group's record is left once it is done."""
-        m = self.model
-
         def compile_one(program):
-            layout, mode = program
-            buf = np.zeros(layout.size, np.int32)
-            sampling_md = (build_sampling_metadata([], layout.num_seqs, layout.width * self.block_size,
-                                                   m.cfg.vocab_size) if mode == "full" else None)
-            with jax.set_mesh(self.mesh):  # per thread: the mesh context is thread-local
-                sample_step.lower(self.graphdef, m.state, cache, buf, sampling_md, layout, mode,
-                                  self.attention_impl).compile()
+            self.compile_step(*program, cache)
             if self._ready is not None:
                 self._ready.add(program)
 
@@ -553,6 +606,21 @@ class ModelRunner:
                     record.touch()
                 except OSError as e:  # a read-only cache: the next start just loads in the foreground
                     log.warning("warm-up: cannot leave a record in %s: %s", record.parent, e)
+
+    def compile_step(self, layout: StepLayout, mode: str, cache=None):
+        """sample_step compiled ahead of time for `layout` and sampler `mode`, against `cache` (default: the KV
+        cache's shapes) and the arguments a step passes (shapes only: nothing runs). Under the mesh context the
+        steps run in: it is part of what a compiled program is keyed by."""
+        m = self.model
+        cache = cache or jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                      self.kv_cache)
+        fed = jax.ShapeDtypeStruct(self.fed.shape, self.fed.dtype, sharding=self.fed.sharding) if layout.decode else None
+        buf = np.zeros(layout.size, np.int32)
+        sampling_md = (build_sampling_metadata([], layout.num_seqs, layout.width * self.block_size,
+                                               m.cfg.vocab_size) if mode == "full" else None)
+        with jax.set_mesh(self.mesh):  # per thread: the mesh context is thread-local
+            return sample_step.lower(self.graphdef, m.state, cache, fed, buf, sampling_md, layout, mode,
+                                     self.attention_impl).compile()
 
     def _compile_in_background(self, groups, cache) -> None:
         t0 = time.perf_counter()

@@ -12,6 +12,7 @@ Every block change goes through the KVCacheManager (self.kv): this module only d
 """
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -114,6 +115,7 @@ class _StepState:
     decoders: list[Request] = field(default_factory=list)
     prefilling: list[Request] = field(default_factory=list)   # the other running requests, as _budget found them
     slot_takers: list[Request] = field(default_factory=list)  # the decoders whose next position starts a block
+    ahead: int = 0  # tokens each decoder has in flight, sampled but not yet postprocessed (async scheduling)
     blocks_left: int = 0
     tokens_left: int = 0
     admitted: list[Request] = field(default_factory=list)  # joined the running set this step
@@ -145,6 +147,7 @@ class Scheduler:
         # The running set as the last schedule() left it (a copy) and its decoders, when that plan ran no
         # prefill chunk: while the set stays the same, its decoders do too (only a chunk ends a prefill)
         self._steady: tuple[list[Request], list[Request]] | None = None
+        self._num_unreaped = 0  # requests postprocess finished since the last reap (still in `running`)
 
     # -------------------------------------------------------------- requests in and out
 
@@ -191,9 +194,12 @@ class Scheduler:
 
     # -------------------------------------------------------------- one step
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, ahead: bool = False) -> StepPlan:
+        """The next step's plan. `ahead`: the last plan's decode batch is still running, its tokens not yet
+        postprocessed (async scheduling); only when can_schedule_ahead() said so, so that this plan is that
+        batch decoding on, each request one token further than its counters say."""
         self._num_steps += 1
-        step = _StepState(StepPlan(step=self._num_steps))
+        step = _StepState(StepPlan(step=self._num_steps), ahead=int(ahead))
         self._reap(step)
         budget = self._budget(step)
         self._admit(step, budget)
@@ -203,6 +209,17 @@ class Scheduler:
         self.step_traces.append(step.plan.trace)
         self._steady = None if step.plan.prefills else (list(self.running), step.decoders)
         return step.plan
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next plan may be made before the last one's decode tokens are postprocessed: it is then
+        surely the same decode batch going on (less what finished). Nothing waits (or every seat is taken, by requests
+        none of which finished) or is swapped out, the last
+        plan ran no prefill chunk, the running set is the same and all of it decodes, and the free blocks cover
+        one more for every running request: no admission, no chunk, no preemption to decide on counters one token behind."""
+        steady, running = self._steady, self.running
+        seats_full = len(running) >= self.config.max_num_seqs and not self._num_unreaped  # nothing to admit to
+        return ((not self.waiting or seats_full) and not self.swapped and steady is not None and running == steady[0]
+                and len(steady[1]) == len(running) and self.kv.num_free >= len(running))
 
     def _reap(self, step: _StepState) -> None:
         """Requests finished by the last postprocess leave; their blocks return before _budget counts."""
@@ -215,6 +232,7 @@ class Scheduler:
             self.kv.free(request)
             del self.requests[request.request_id]
         step.plan.finished = finished
+        self._num_unreaped = 0
         step.trace("reap", finished=[r.request_id for r in finished], free_before=free_before,
                    freed_blocks=self.kv.num_free - free_before, free_after=self.kv.num_free)
 
@@ -233,7 +251,7 @@ class Scheduler:
         if len(step.decoders) < len(self.running):
             decoding = set(step.decoders)
             step.prefilling = [r for r in self.running if r not in decoding]
-        step.slot_takers = self.kv.decode_slot_takers(step.decoders)
+        step.slot_takers = self.kv.decode_slot_takers(step.decoders, step.ahead)
         promised = len(step.slot_takers)
         # The watermark is headroom for running decoders; with none running it would only block a big prompt.
         watermark = self.config.watermark_blocks if self.running else 0
@@ -339,6 +357,7 @@ class Scheduler:
             request = decodes[i]
             if request.status is not finished_status and request.stop_after_append(tokens[i], max_model_len):
                 finished.append(request)
+        self._num_unreaped += len(finished)
         return finished
 
     # -------------------------------------------------------------- admission helpers
@@ -503,9 +522,12 @@ class Scheduler:
                 "num_swapped": self.num_swapped, "preemptions": dict(self.num_preemptions),
                 "swap_fallbacks": self.num_swap_fallbacks} | self.kv.stats()
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, in_flight: Sequence[Request] = (), planned_ahead: bool = False) -> None:
         """Raise AssertionError unless pools, queues and requests agree. Meant between steps (after
-        postprocess), e.g. after every step in tests."""
+        postprocess), e.g. after every step in tests. Under async scheduling (`planned_ahead`) `in_flight` is
+        the decode batch planned and not yet postprocessed, whose requests hold the slot of one more token;
+        a finished request not yet reaped may hold it too (it ended while such a step was in flight)."""
+        in_flight = set(in_flight)
         self.kv.check_invariants(self.running + self.waiting + self.swapped)
         queues = ((self.waiting, RequestStatus.WAITING), (self.running, RequestStatus.RUNNING),
                   (self.swapped, RequestStatus.SWAPPED))
@@ -519,9 +541,10 @@ class Scheduler:
                        f"{r.request_id} is {r.status} in the {status.name} queue")
                 _check(r.num_tokens == len(r.prompt_token_ids) + len(r.output_token_ids),
                        f"{r.request_id}: num_tokens {r.num_tokens} is not prompt + outputs (append_output bypassed?)")
-                expected = cdiv(r.prefill_target, self.config.block_size)
+                expected = cdiv(r.prefill_target + (r in in_flight), self.config.block_size)
                 if status is RequestStatus.RUNNING:
-                    _check(len(r.block_ids) == expected and not r.host_block_ids,
+                    ahead_slot = planned_ahead and r.is_finished and len(r.block_ids) == expected + 1
+                    _check((len(r.block_ids) == expected or ahead_slot) and not r.host_block_ids,
                            f"{r.request_id}: {len(r.block_ids)} device blocks, expected {expected}")
                 elif status is RequestStatus.SWAPPED:  # a swapped request keeps its shared head on the device
                     _check(self.kv.num_blocks(r) == expected,

@@ -5,7 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from engine.packing import StepLayout, unpack
+from engine.packing import StepLayout, token_source, unpack
 from engine.sampler import sample
 from models.transformer import forward
 
@@ -17,13 +17,22 @@ def model_step(graphdef, state, kv_cache, buf, layout: StepLayout, attention_imp
     return forward(graphdef, state, kv_cache, token_ids, positions, md, logits_indices, attention_impl)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=(2,))
-def sample_step(graphdef, state, kv_cache, buf, sampling_md, layout: StepLayout, mode: str, attention_impl=None):
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8), donate_argnums=(2,))
+def sample_step(graphdef, state, kv_cache, fed, buf, sampling_md, layout: StepLayout, mode: str, attention_impl=None):
     """One token per logits row, sampled on the device: only the SampleOutput comes back to the host.
-    `mode` "greedy" takes no sampling metadata (None); "full" does penalties, filtering and logprobs."""
+    `mode` "greedy" takes no sampling metadata (None); "full" does penalties, filtering and logprobs.
+    A decode step also takes `fed` i32[max rows], the last decode step's tokens (its rows first), where rows
+    whose token_source is >= 0 read their input token, and returns its own tokens in the same form; None
+    in a prefill step (async scheduling: ModelRunner.dispatch_decodes)."""
     token_ids, positions, md, logits_indices = unpack(buf, layout)
+    if fed is not None:
+        source = token_source(buf, layout)
+        token_ids = jnp.where(source >= 0, fed[jnp.maximum(source, 0)], token_ids)
     logits, kv_cache = forward(graphdef, state, kv_cache, token_ids, positions, md, logits_indices, attention_impl)
-    return sample(logits, sampling_md, mode=mode), kv_cache
+    out = sample(logits, sampling_md, mode=mode)
+    if fed is not None:
+        fed = jax.lax.dynamic_update_slice(fed, out.tokens.astype(fed.dtype), (0,))
+    return out, fed, kv_cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7, 8, 9, 10), donate_argnums=(2,))

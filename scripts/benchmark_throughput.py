@@ -5,6 +5,8 @@ Every backend runs the same seeded workload on the same checkpoint, greedy with 
 request generates exactly its output length:
 
   ferry          every request through LLMEngine's continuous batching at once.
+  ferry-async    the same with async scheduling (EngineConfig.async_scheduling: each decode step planned and
+                 dispatched before the last one's tokens are back).
   ferry-nocache  the same with prefix caching off (--workload=shared_prefix or multi_turn: the gain).
   ferry-unrolled the same with the decoder layers unrolled (EngineConfig.scan_layers=False).
   ferry-kv-bf16  the same with a bfloat16 KV cache (EngineConfig.kv_dtype; under a float32 model).
@@ -71,9 +73,10 @@ from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.loading import FERRY_CONFIG, LoadedModel, load_model, random_model
 
-BACKENDS = ("ferry", "ferry-nocache", "ferry-unrolled", "ferry-kv-bf16", "ferry-static", "transformers", "vllm")
+BACKENDS = ("ferry", "ferry-async", "ferry-nocache", "ferry-unrolled", "ferry-kv-bf16", "ferry-static", "transformers",
+            "vllm")
 HF_BACKENDS = ("transformers", "vllm")  # these load the Hugging Face directory themselves
-SINGLE_BACKENDS = ("ferry", "transformers", "vllm")
+SINGLE_BACKENDS = ("ferry", "ferry-async", "transformers", "vllm")
 WORKLOADS = ("random", "shared_prefix", "multi_turn")
 
 FLAGS = flags.FLAGS
@@ -228,7 +231,8 @@ class FerryBackend:
         d = {k: after[k] - before[k] for k in after}
         step_s = d["schedule_s"] + d["execute_s"] + d["postprocess_s"] + d["outputs_s"]
         host_s = d["schedule_s"] + d["pack_s"] + d["postprocess_s"] + d["outputs_s"]  # execute's rest: the jitted call
-        return {"steps": d["steps"], "compiles": d["compiles"], "preemptions": d["preemptions"],
+        return {"steps": d["steps"], "planned_ahead": d["planned_ahead"], "compiles": d["compiles"],
+                "preemptions": d["preemptions"],
                 "prefix_cache_hits": d["prefix_cache_hits"],
                 "prefix_cache_hit_rate": d["prefix_cache_hits"] / max(d["prefix_cache_queries"], 1),
                 "peak_kv_usage": peak_kv, "step_ms_mean": 1e3 * step_s / max(d["steps"], 1),
@@ -499,6 +503,8 @@ def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: Engi
                  requests: list[bc.BenchRequest], scratch: str):
     if name == "ferry":
         return FerryBackend(name, model, config, batch_size=None)
+    if name == "ferry-async":
+        return FerryBackend(name, model, dataclasses.replace(config, async_scheduling=True), batch_size=None)
     if name == "ferry-nocache":
         return FerryBackend(name, model, dataclasses.replace(config, enable_prefix_caching=False), batch_size=None)
     if name == "ferry-unrolled":
@@ -578,16 +584,18 @@ def print_report(summary: dict, results: dict, ratios: dict, single: dict | None
     print(f"\nworkload: {w['num_requests']} requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output "
           f"tokens; medians of {FLAGS.repeats} interleaved repeats")
     # compiles: all timed runs together (0 = every shape was warmed up); host %: scheduler + packing +
-    # postprocessing, of step time (the rest is the jitted call); preempt: median per run.
+    # postprocessing, of step time (the rest is the jitted call); ahead %: steps planned before the last one's
+    # tokens were back (async scheduling), of all steps; preempt: median per run.
     # TTFT: from each request's submission (offline: mostly queueing); hit %: prefix-cache hits / queries.
     headers = ["backend", "req/s", "out tok/s", "total tok/s", "time s", "TTFT p50 ms", "TTFT p99 ms", "hit %",
-               "warm-up s", "compiles", "host %", "preempt", "peak KV %"]
+               "warm-up s", "compiles", "host %", "ahead %", "preempt", "peak KV %"]
     rows = []
     for name, r in results.items():
         m = r["median"]
         rows.append([name, m["requests_per_s"], m["output_tokens_per_s"], m["total_tokens_per_s"], m["elapsed_s"],
                      m.get("ttft_ms_p50"), m.get("ttft_ms_p99"), percent(m.get("prefix_cache_hit_rate")),
-                     r["warmup_s"], r.get("compiles_after_warmup"), percent(m.get("host_share")), m.get("preemptions"),
+                     r["warmup_s"], r.get("compiles_after_warmup"), percent(m.get("host_share")),
+                     percent(m["planned_ahead"] / m["steps"]) if m.get("steps") else None, m.get("preemptions"),
                      percent(m.get("peak_kv_usage"))])
     print(bc.format_table(headers, rows))
     if ratios:

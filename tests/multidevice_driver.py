@@ -14,7 +14,6 @@ import numpy as np
 
 from engine.engine import LLM, EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.step import sample_step
 
 
 def greedy(job, model_dir, **config):
@@ -27,12 +26,10 @@ def greedy(job, model_dir, **config):
 def collectives(llm) -> dict:
     """{"decode"/"prefill": {op: [result shapes]}} of the compiled greedy step."""
     runner = llm.engine.runner
-    m, out = runner.model, {}
+    out = {}
     layouts = runner.buckets.step_layouts()
     for name, layout in (("decode", layouts[0]), ("prefill", layouts[-1])):
-        with jax.set_mesh(runner.mesh):
-            hlo = sample_step.lower(m.graphdef, m.state, runner.kv_cache, np.zeros(layout.size, np.int32), None,
-                                    layout, "greedy", runner.attention_impl).compile().as_text()
+        hlo = runner.compile_step(layout, "greedy").as_text()
         out[name] = {op: re.findall(rf"= \w+\[([\d,]*)\]\S* {op}\(", hlo)
                      for op in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")}
     return out
