@@ -52,9 +52,10 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def serve(model_dir: str, config: ServerConfig, on_fatal=None):
-    """An engine behind a uvicorn server on a free loopback port, in a background thread."""
-    engine = LLMEngine(model_dir, EngineConfig(**ENGINE))
+def serve(model_dir: str, config: ServerConfig, on_fatal=None, **engine_config):
+    """An engine behind a uvicorn server on a free loopback port, in a background thread. `engine_config`:
+    EngineConfig fields that do not change the step shapes (e.g. async_scheduling)."""
+    engine = LLMEngine(model_dir, EngineConfig(**ENGINE | engine_config))
     app = build_app(engine, config, on_fatal)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
