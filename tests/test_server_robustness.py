@@ -204,7 +204,7 @@ def test_an_engine_that_dies_reports_it_and_calls_on_fatal(model_dir):
     server's on_fatal hook (engine.serve then exits with status 1)."""
     died = threading.Event()
     with serve(model_dir, ServerConfig(MODEL_NAME), on_fatal=lambda e: died.set()) as broken:
-        def schedule():
+        def schedule(ahead: bool = False):
             raise RuntimeError("scheduler bug")
 
         broken.engine.scheduler.schedule = schedule
@@ -216,7 +216,7 @@ def test_an_engine_that_dies_reports_it_and_calls_on_fatal(model_dir):
 
 def test_serve_exits_non_zero_when_the_engine_dies(model_dir, tmp_path):
     launcher = ("import sys; from engine.scheduler import Scheduler\n"
-                "def broken(self): raise RuntimeError('scheduler bug')\n"
+                "def broken(self, ahead=False): raise RuntimeError('scheduler bug')\n"
                 "Scheduler.schedule = broken\n"
                 "from engine.serve import main; main(sys.argv)\n")
     with ServeProcess(model_dir, tmp_path, [], launcher=launcher) as (process, url):
