@@ -423,9 +423,10 @@ class LLMEngine:
 
     def _dispatch(self, plan, flight) -> DecodeFlight | None:
         """Async scheduling: start the plan's decode batch (ModelRunner.dispatch_decodes); None when a row needs
-        its last token on the host first. A plan made ahead of a flight's tokens has no synchronous fallback (a
-        row planned ahead never needs one: can_schedule_ahead admits no new row), nor fault isolation: a failure
-        there ends the engine."""
+        its last token on the host first, or when a dispatch with nothing in flight fails (the synchronous step
+        then isolates the request that makes it fail). A plan made ahead of a flight's tokens has no such
+        fallback (its rows' tokens are on the device only; a row planned ahead never needs the host:
+        can_schedule_ahead admits no new row): a failure there ends the engine."""
         try:
             started = self.runner.dispatch_decodes(plan.decodes)
         except Exception as e:
