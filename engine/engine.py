@@ -406,11 +406,15 @@ class LLMEngine:
                   if group_id in self._groups}
         finished = self.scheduler.postprocess(plan, out.tokens, out.decoded)
         self.runner.advance()  # the tokens are in the requests now: the decode rows move on
-        samples, decoded, finished_groups = self._sample_news(plan, out, finished if not errors else None)
-        news = StepNews(samples, self._prompt_logprobs_news(out), errors, self.last_step_trace(), time.monotonic(),
-                        decoded)
+        return self._timed(t0, t1, t2, self._news(plan, out, finished if not errors else None, errors))
+
+    def _news(self, plan, out: RunnerOutput, finished: list[Request] | None, errors: dict[str, str]) -> StepNews:
+        """A postprocessed step's news for the output side (`finished`: as _sample_news takes it); then the groups
+        it forked or ended are forked or retired."""
+        samples, decoded, finished_groups = self._sample_news(plan, out, finished)
+        news = StepNews(samples, self._prompt_logprobs_news(out), errors, plan.trace, time.monotonic(), decoded)
         self._fork_and_retire(plan, finished_groups | errors.keys())
-        return self._timed(t0, t1, t2, news)
+        return news
 
     def _timed(self, t0: float, t1: float, t2: float, news: StepNews) -> StepNews:
         """Add a step's phases (schedule until t1, execute until t2, postprocess until now) to step_times."""
@@ -453,10 +457,7 @@ class LLMEngine:
             stale = set(stale)
             plan = dataclasses.replace(plan, decodes=[r for r in plan.decodes if r not in stale])
             out.decoded, finished = None, None
-        samples, decoded, finished_groups = self._sample_news(plan, out, finished)
-        news = StepNews(samples, {}, {}, plan.trace, time.monotonic(), decoded)
-        self._fork_and_retire(plan, finished_groups)
-        return news
+        return self._news(plan, out, finished, {})
 
     def check_invariants(self) -> None:
         """Scheduler.check_invariants, knowing the decode step in flight (async scheduling): between steps."""

@@ -8,6 +8,7 @@ Its shape is fixed by a `StepLayout` of bucketed sizes, so each layout compiles 
 import dataclasses
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from models.paged import NULL_BLOCK, AttentionMetadata
@@ -327,9 +328,15 @@ class DecodeRows:
         self._pending.clear()
 
 
-def unpack(buf, layout: StepLayout):
-    """Inside jit: the flat buffer -> (token_ids, positions, AttentionMetadata, logits_indices)."""
+def unpack(buf, layout: StepLayout, fed=None):
+    """Inside jit: the flat buffer -> (token_ids, positions, AttentionMetadata, logits_indices). With `fed`
+    (a decode step's i32 tokens of the last decode call, sample_step), rows whose token_source is >= 0 take
+    their input token from it."""
     parts = _split(buf, layout)
+    token_ids = parts["token_ids"]
+    if fed is not None:
+        source = parts["token_source"]
+        token_ids = jnp.where(source >= 0, fed[jnp.maximum(source, 0)], token_ids)
     md = AttentionMetadata(
         slot_mapping=parts["slot_mapping"],
         block_tables=parts["block_tables"].reshape(layout.num_seqs, layout.width),
@@ -337,12 +344,7 @@ def unpack(buf, layout: StepLayout):
         query_start_loc=parts["query_start_loc"],
         decode=layout.decode,
     )
-    return parts["token_ids"], parts["positions"], md, parts["logits_indices"]
-
-
-def token_source(buf, layout: StepLayout):
-    """Inside jit: a decode step's token_source field (see StepLayout.sizes)."""
-    return _split(buf, layout)["token_source"]
+    return token_ids, parts["positions"], md, parts["logits_indices"]
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:

@@ -614,7 +614,8 @@ class ModelRunner:
         m = self.model
         cache = cache or jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                       self.kv_cache)
-        fed = jax.ShapeDtypeStruct(self.fed.shape, self.fed.dtype, sharding=self.fed.sharding) if layout.decode else None
+        fed = (jax.ShapeDtypeStruct(self.fed.shape, self.fed.dtype, sharding=self.fed.sharding) if layout.decode
+               else None)
         buf = np.zeros(layout.size, np.int32)
         sampling_md = (build_sampling_metadata([], layout.num_seqs, layout.width * self.block_size,
                                                m.cfg.vocab_size) if mode == "full" else None)

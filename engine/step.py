@@ -5,7 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from engine.packing import StepLayout, token_source, unpack
+from engine.packing import StepLayout, unpack
 from engine.sampler import sample
 from models.transformer import forward
 
@@ -24,10 +24,7 @@ def sample_step(graphdef, state, kv_cache, fed, buf, sampling_md, layout: StepLa
     A decode step also takes `fed` i32[max rows], the last decode step's tokens (its rows first), where rows
     whose token_source is >= 0 read their input token, and returns its own tokens in the same form; None
     in a prefill step (async scheduling: ModelRunner.dispatch_decodes)."""
-    token_ids, positions, md, logits_indices = unpack(buf, layout)
-    if fed is not None:
-        source = token_source(buf, layout)
-        token_ids = jnp.where(source >= 0, fed[jnp.maximum(source, 0)], token_ids)
+    token_ids, positions, md, logits_indices = unpack(buf, layout, fed)
     logits, kv_cache = forward(graphdef, state, kv_cache, token_ids, positions, md, logits_indices, attention_impl)
     out = sample(logits, sampling_md, mode=mode)
     if fed is not None:
