@@ -8,7 +8,7 @@
 take exactly the arguments of the references in pallas_kernels/reference.py and match them (float32
 and bfloat16, q and pages of one dtype, or float32 q over bfloat16 pages: a bf16 KV cache under a
 float32 model; GQA/MQA; any head_dim and block size; optional soft cap).
-`stacked_matmul(x, stacked_w, layer)` is x @ stacked_w[layer] reading that layer's weights in place
+`stacked_matmul(x, stacked_w, layer)` is x @ stacked_w[layer] (float32 or bfloat16 weights) reading that layer's weights in place
 (the scanned decoder layers' linears: XLA CPU copies a dynamic slice before its library dot).
 `kv_write(pages, updates, slot_mapping)` scatters one step's K or V rows into the pages in place (XLA
 CPU's own scatter into a 16-bit float cache rewrites every page). They run on the CPU backend only. `available()` says whether the library is loaded (and logs why
@@ -324,15 +324,16 @@ def kv_write(pages, updates, slot_mapping):
 
 
 def stacked_matmul(x, stacked_w, layer):
-    """x [..., K] @ stacked_w[layer] -> [..., N], float32, for stacked_w [L, K, N] (float32) and an
-    int32 scalar `layer` (clamped into [0, L) like a dynamic slice). The kernel reads the layer's
-    weights where they lie in the stack: under jax.lax.scan with the stack closed over (not
-    sliced by the scan), no per-step copy of a layer's weights. Reference: jnp.dot(x, stacked_w[layer])."""
+    """x [..., K] @ stacked_w[layer] -> [..., N], float32, for float32 x, stacked_w [L, K, N] (float32, or
+    bfloat16: widened exactly as it is read, the sums in float32) and an int32 scalar `layer` (clamped
+    into [0, L) like a dynamic slice). The kernel reads the layer's weights where they lie in the stack:
+    under jax.lax.scan with the stack closed over (not sliced by the scan), no per-step copy of a layer's
+    weights. Reference: jnp.dot(x, stacked_w[layer].astype(float32))."""
     if not available():
         raise RuntimeError(f"native CPU stacked matmul unavailable: {unavailable_reason()}")
-    if x.dtype != jnp.float32 or stacked_w.dtype != jnp.float32:
-        raise ValueError(f"native stacked matmul takes float32 x and weights; got x {x.dtype}, "
-                         f"stacked_w {stacked_w.dtype}")
+    if x.dtype != jnp.float32 or stacked_w.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"native stacked matmul takes float32 x and float32 or bfloat16 weights; got x "
+                         f"{x.dtype}, stacked_w {stacked_w.dtype}")
     if stacked_w.ndim != 3 or x.shape[-1] != stacked_w.shape[1]:
         raise ValueError(f"native stacked matmul: x [..., K] and stacked_w [L, K, N] needed; got x "
                          f"{x.shape}, stacked_w {stacked_w.shape}")

@@ -10,6 +10,7 @@ import pytest
 
 from hf_models import ARCHS, check_greedy_match, hf_greedy, hf_logits, make_hf_model, paged_greedy, rel_err
 from hf_models import torch  # the guarded import: skips this module where torch is missing
+from hf_models import transformers
 from models.config import ConfigError
 from models.loading import _per_layer_tensors, load_model, save_checkpoint
 
@@ -44,6 +45,36 @@ def test_logits_and_greedy_match_transformers(arch_model):
             ties.append(tie)
     if ties:
         print(f"{arch} (seed {seed}): accepted ties: {ties}")
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_bf16_logits_and_greedy_match_transformers_bf16(arch, tmp_path):
+    """A bfloat16 checkpoint served in bfloat16 (prefill through XLA's dots, decode through the native
+    kernels reading the bf16 stacks in place on CPU) against transformers loading it in bfloat16. bf16
+    rounding is the yardstick: transformers' own bf16 logits differ from its float32 ones (same weights) by
+    some noise, and Ferry's may differ from transformers' bf16 by at most twice that; greedy tokens are
+    identical but where the reference's top two are within that noise (rounding can flip them)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    make_hf_model(arch, tmp_path, seed=seed, dtype=torch.bfloat16)
+    # As users load it (make_hf_model's .to(bf16) also rounds the rotary inv_freq buffer; this keeps it float32).
+    torch_bf16, torch_f32 = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+                             for dtype in (torch.bfloat16, torch.float32))
+    loaded = load_model(str(tmp_path))
+    assert loaded.dtype == jnp.bfloat16
+    prompts = _prompts(seed, loaded.cfg.vocab_size)
+    run = paged_greedy(loaded, prompts, 8)
+    ties = []
+    for prompt, logits, tokens in zip(prompts, run.prompt_logits, run.tokens):
+        ref = hf_logits(torch_bf16, prompt)
+        noise = np.abs(ref - hf_logits(torch_f32, prompt)).max()
+        assert np.abs(logits - ref).max() <= 2 * noise, (
+            f"{arch} (seed {seed}) prompt len {len(prompt)}: {np.abs(logits - ref).max()} > 2 x {noise}")
+        ref_tokens, ref_step_logits = hf_greedy(torch_bf16, prompt, 8)
+        tie = check_greedy_match(tokens, ref_tokens, ref_step_logits, tie_tol=2 * noise)
+        if tie:
+            ties.append(tie)
+    if ties:
+        print(f"{arch} bf16 (seed {seed}): accepted near-ties: {ties}")
 
 
 def test_two_chunk_prefill_matches_one_chunk(arch_model):

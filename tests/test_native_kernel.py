@@ -268,20 +268,23 @@ STACKED_MATMUL_SHAPES = [  # (M, K, N): odd sizes, one row (1024-column chunks, 
     (1, 1, 1), (1, 576, 1728), (1, 37, 1050), (5, 33, 70), (7, 129, 17), (16, 256, 1024), (13, 100, 129), (70, 64, 200)]
 
 
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("generic", [False, True], ids=["avx512_if_present", "portable"])
-def test_stacked_matmul_matches_dot(seed, generic, monkeypatch):
+def test_stacked_matmul_matches_dot(seed, generic, w_dtype, monkeypatch):
     """x @ w[layer] for every layer of a random stack (poisoned output buffer), out-of-range layers
-    clamped like a dynamic slice, the same bits on one thread as on the pool."""
+    clamped like a dynamic slice, the same bits on one thread as on the pool. bfloat16 weights: the
+    float64 product of their exact float32 values."""
     if generic:
         monkeypatch.setenv("FERRY_NATIVE_MATMUL_GENERIC", "1")
     rng = np.random.default_rng(seed)
     for m, k, n in STACKED_MATMUL_SHAPES:
         num_layers = 3
-        w = jnp.asarray(rng.standard_normal((num_layers, k, n)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((num_layers, k, n)), w_dtype)
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         poison = jnp.zeros((m, n), jnp.float32)  # shape of the output, for run_poisoned
         for layer in [*range(num_layers), -1, num_layers]:
-            ref = np.asarray(x, np.float64) @ np.asarray(w[min(max(layer, 0), num_layers - 1)], np.float64)
+            ref = np.asarray(x, np.float64) @ np.asarray(w[min(max(layer, 0), num_layers - 1)].astype(jnp.float32),
+                                                         np.float64)
             out = run_poisoned(lambda _, x, w, i: native.stacked_matmul(x, w, i), poison, x, w,
                                jnp.int32(layer))
             np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4 * np.sqrt(k),
@@ -299,16 +302,20 @@ def test_stacked_matmul_rejects_bad_inputs():
     x, w = jnp.zeros((2, 8), jnp.float32), jnp.zeros((3, 8, 4), jnp.float32)
     with pytest.raises(ValueError, match="float32"):
         native.stacked_matmul(x.astype(jnp.bfloat16), w, 0)
+    with pytest.raises(ValueError, match="bfloat16 weights"):
+        native.stacked_matmul(x, w.astype(jnp.float16), 0)
     with pytest.raises(ValueError, match=r"stacked_w \[L, K, N\]"):
         native.stacked_matmul(x, w[0], 0)
     with pytest.raises(ValueError, match=r"x \[..., K\]"):
         native.stacked_matmul(x[:, :5], w, 0)
 
 
-def test_scanned_decode_reads_kernels_in_place(seed):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_scanned_decode_reads_kernels_in_place(seed, dtype):
     """The decode step's compiled HLO: the scanned layers' four linears are stacked-matmul custom
     calls on the whole [L, K, N] kernels, and no dynamic-slice or copy of a layer's [K, N] kernel is
-    left (XLA CPU copied one per layer per step); a prefill step keeps XLA's dots. Logits match the
+    left (XLA CPU copied one per layer per step), nor a float32 copy of a bfloat16 stack (XLA CPU
+    widens a bf16 scan operand whole, every step); a prefill step keeps XLA's dots. Logits match the
     sliced path's."""
     from engine.packing import SeqSlice, StepLayout, pack
     from engine.step import model_step
@@ -319,7 +326,7 @@ def test_scanned_decode_reads_kernels_in_place(seed):
 
     cfg = ModelConfig(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96,
                       num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
-    model = random_model(cfg, seed=seed % (1 << 30))
+    model = random_model(cfg, dtype, seed=seed % (1 << 30))
     kernel_shapes = {f"{k},{n}]" for k, n in [(64, 128), (64, 64), (64, 192), (96, 64)]}  # [.., K, N]
     rng = np.random.default_rng(seed)
     seqs = [SeqSlice([int(rng.integers(0, 128))], 5 + i, [1 + i]) for i in range(4)]
@@ -333,7 +340,7 @@ def test_scanned_decode_reads_kernels_in_place(seed):
         return jax.jit(run, static_argnums=(0, 4))
 
     def args(layout):
-        cache = init_kv_cache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+        cache = init_kv_cache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, dtype)
         return model.graphdef, model.state, cache, pack(seqs, layout, 16), layout
 
     def hlo(layout, max_rows):
@@ -343,12 +350,13 @@ def test_scanned_decode_reads_kernels_in_place(seed):
     lines = in_place.as_text().splitlines()
     calls = [line for line in lines if "ferry_stacked_matmul" in line and "custom-call(" in line]
     assert len(calls) == 4, calls
-    assert all(f"f32[{cfg.num_layers}," in line.split("operand_layout_constraints")[1] for line in calls)
-    copies = [line for line in lines if ("dynamic-slice(" in line or " copy(" in line)
+    stack = f"{'f32' if dtype == jnp.float32 else 'bf16'}[{cfg.num_layers},"
+    assert all(stack in line.split("operand_layout_constraints")[1] for line in calls), (stack, calls)
+    copies = [line for line in lines if ("dynamic-slice(" in line or " copy(" in line or " convert(" in line)
               and any(s in line.split("=")[1].split("{")[0] for s in kernel_shapes)]
     assert not copies, copies
     assert not [line for line in hlo(prefill, 256) if "ferry_stacked_matmul" in line]  # not decode
 
     sliced = step(0)(*args(decode))[0]
-    np.testing.assert_allclose(np.asarray(in_place(*args(decode)[1:4])[0]), np.asarray(sliced),
-                               rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16: one rounding of each linear's float32 sum, both ways
+    np.testing.assert_allclose(np.asarray(in_place(*args(decode)[1:4])[0]), np.asarray(sliced), rtol=tol, atol=tol)

@@ -8,8 +8,9 @@
 //   FerryKvWrite                pages [NB, BS, Hkv, D], new [T, Hkv, D] (pages' dtype),
 //                               slot_mapping [T] i32  -> pages with row slot_mapping[t] = new[t]
 //                               (aliased in place; slots outside [0, NB * BS) are dropped)
-//   FerryStackedMatmul          x [M, K] f32, w [L, K, N] f32, layer [] i32 -> x @ w[layer] [M, N]
-//                               (w[layer] read in place; see "stacked matmul" below)
+//   FerryStackedMatmul          x [M, K] f32, w [L, K, N] f32 or bf16, layer [] i32
+//                               -> x @ w[layer] [M, N] f32 (w[layer] read in place; see "stacked
+//                               matmul" below)
 //
 // Attributes: scale (f32) and soft_cap (f32; 0 = no cap). Semantics are those of
 // pallas_kernels/reference.py: a query's absolute position is context_len - query_len + its index
@@ -42,6 +43,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -739,15 +741,20 @@ constexpr int64_t kMatmulPrefetchRows = 16;
 constexpr int64_t kMatvecCols = 1024;
 constexpr int kMatvecRows = 8;
 
+// bfloat16 weights (a bf16 model's) are widened to float32 as they are read, exactly, so the sums
+// are those of float32 weights holding the same values: half the bytes from memory, float32 FMAs.
 struct Matmul {
   const float* x;  // [M, K]
-  const float* w;  // [K, N]: the chosen layer
+  const void* w;   // [K, N]: the chosen layer, float (W = float) or bfloat16 bits (W = uint16_t)
   float* y;        // [M, N]
   int64_t m, k, n;
+  template <typename W>
+  const W* Weights() const { return static_cast<const W*>(w); }
 };
 
 // Portable version of one panel (auto-vectorised; AVX2/FMA clone on x86-64).
-FERRY_CLONES void MatmulPanelGeneric(const Matmul& p, int64_t n0) {
+template <typename W>
+FERRY_INLINE void MatmulPanelGenericOf(const Matmul& p, int64_t n0) {
   const int64_t cols = std::min(kPanelCols, p.n - n0);
   float acc[kPanelCols];
   for (int64_t r = 0; r < p.m; ++r) {
@@ -755,17 +762,26 @@ FERRY_CLONES void MatmulPanelGeneric(const Matmul& p, int64_t n0) {
     const float* xr = p.x + r * p.k;
     for (int64_t k = 0; k < p.k; ++k) {
       const float a = xr[k];
-      const float* __restrict wk = p.w + k * p.n + n0;
-      for (int64_t j = 0; j < cols; ++j) acc[j] += a * wk[j];
+      const W* __restrict wk = p.Weights<W>() + k * p.n + n0;
+      for (int64_t j = 0; j < cols; ++j) acc[j] += a * ToF32(wk[j]);
     }
     std::copy(acc, acc + cols, p.y + r * p.n + n0);
   }
 }
 
+FERRY_CLONES void MatmulPanelGenericF32(const Matmul& p, int64_t n0) { MatmulPanelGenericOf<float>(p, n0); }
+FERRY_CLONES void MatmulPanelGenericBf16(const Matmul& p, int64_t n0) { MatmulPanelGenericOf<uint16_t>(p, n0); }
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(FERRY_NO_TARGET_CLONES)
 #define FERRY_HAVE_AVX512_MATMUL 1
-#define FERRY_AVX512 __attribute__((target("avx512f,fma")))
+#define FERRY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define FERRY_UNROLL _Pragma("GCC unroll 8")  // unrolled before GCC decides where acc lives
+
+// 16 weights from `w` as float32 (lanes outside `m` zero): a bfloat16 is the high half of its float32.
+FERRY_AVX512 FERRY_INLINE __m512 LoadWeights(const float* w, __mmask16 m) { return _mm512_maskz_loadu_ps(m, w); }
+FERRY_AVX512 FERRY_INLINE __m512 LoadWeights(const uint16_t* w, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w)), 16));
+}
 
 // MR rows x NV vectors of 16 columns, register-blocked (MR * NV accumulators + NV weight vectors
 // + one broadcast <= 32 zmm): per k, NV contiguous loads of w's row and MR broadcasts of x.
@@ -802,18 +818,19 @@ FERRY_AVX512 void MatmulTileAvx512(const Matmul& p, const float* w, int64_t ldw,
 
 using MatmulTileFn = void (*)(const Matmul&, const float*, int64_t, int64_t, int64_t, __mmask16);
 
-// w's [K, vectors * 16] panel at `w` (rows ldw apart) -> `packed` [K, kPanelCols], read once from
-// memory with prefetch. Packed, the next row blocks read it contiguously: unpacked, rows 4 KiB
+// w's [K, vectors * 16] panel at `w` (rows ldw apart) -> `packed` [K, kPanelCols] float32, read once
+// from memory with prefetch. Packed, the next row blocks read it contiguously: unpacked, rows 4 KiB
 // apart (N = 1024) all land in the same cache sets and the panel falls out of L1 and L2.
-FERRY_AVX512 void PackPanelAvx512(const float* w, int64_t ldw, int64_t k_rows, int64_t vectors,
+template <typename W>
+FERRY_AVX512 void PackPanelAvx512(const W* w, int64_t ldw, int64_t k_rows, int64_t vectors,
                                   __mmask16 tail, float* packed) {
   for (int64_t k = 0; k < k_rows; ++k, w += ldw, packed += kPanelCols) {
     for (int64_t v = 0; v < vectors; ++v)
       _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * ldw + 16 * v),
                    _MM_HINT_T0);
     for (int64_t v = 0; v < vectors - 1; ++v)
-      _mm512_storeu_ps(packed + 16 * v, _mm512_loadu_ps(w + 16 * v));
-    _mm512_storeu_ps(packed + 16 * (vectors - 1), _mm512_maskz_loadu_ps(tail, w + 16 * (vectors - 1)));
+      _mm512_storeu_ps(packed + 16 * v, LoadWeights(w + 16 * v, static_cast<__mmask16>(0xFFFF)));
+    _mm512_storeu_ps(packed + 16 * (vectors - 1), LoadWeights(w + 16 * (vectors - 1), tail));
   }
 }
 
@@ -830,28 +847,29 @@ constexpr const MatmulTileFn* kMatmulTiles[2][kRowBlock] = {
      kMatmulTilesOfRows<4, true>, kMatmulTilesOfRows<5, true>, kMatmulTilesOfRows<6, true>}};
 
 // y[0, n0 : n0 + kMatvecCols] for a one-row x. ROWS rows of w from k0 (a vector of y at a time).
-template <int ROWS>
+template <int ROWS, typename W>
 FERRY_AVX512 void MatvecRowsAvx512(const Matmul& p, int64_t n0, int64_t vectors, __mmask16 tail, int64_t k0,
                                    int rows) {
   __m512 a[ROWS > 0 ? ROWS : kMatvecRows];
   const int count = ROWS > 0 ? ROWS : rows;
   for (int j = 0; j < count; ++j) a[j] = _mm512_set1_ps(p.x[k0 + j]);
-  const float* w = p.w + k0 * p.n + n0;
+  const W* w = p.Weights<W>() + k0 * p.n + n0;
   float* y = p.y + n0;
   for (int64_t v = 0; v < vectors; ++v) {
     const __mmask16 m = v == vectors - 1 ? tail : static_cast<__mmask16>(0xFFFF);
     __m512 acc = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, y + 16 * v);
     if (ROWS > 0) {
       FERRY_UNROLL for (int j = 0; j < ROWS; ++j)
-        acc = _mm512_fmadd_ps(a[j], _mm512_maskz_loadu_ps(m, w + j * p.n + 16 * v), acc);
+        acc = _mm512_fmadd_ps(a[j], LoadWeights(w + j * p.n + 16 * v, m), acc);
     } else {
       for (int j = 0; j < count; ++j)
-        acc = _mm512_fmadd_ps(a[j], _mm512_maskz_loadu_ps(m, w + j * p.n + 16 * v), acc);
+        acc = _mm512_fmadd_ps(a[j], LoadWeights(w + j * p.n + 16 * v, m), acc);
     }
     _mm512_mask_storeu_ps(y + 16 * v, m, acc);
   }
 }
 
+template <typename W>
 void MatvecChunkAvx512(const Matmul& p, int64_t n0) {
   const int64_t cols = std::min(kMatvecCols, p.n - n0);
   const int64_t vectors = (cols + 15) / 16;
@@ -859,25 +877,29 @@ void MatvecChunkAvx512(const Matmul& p, int64_t n0) {
   if (p.k == 0) return std::fill(p.y + n0, p.y + n0 + cols, 0.0f);
   int64_t k0 = 0;
   for (; k0 + kMatvecRows <= p.k; k0 += kMatvecRows)
-    MatvecRowsAvx512<kMatvecRows>(p, n0, vectors, tail, k0, kMatvecRows);
-  if (k0 < p.k) MatvecRowsAvx512<0>(p, n0, vectors, tail, k0, static_cast<int>(p.k - k0));
+    MatvecRowsAvx512<kMatvecRows, W>(p, n0, vectors, tail, k0, kMatvecRows);
+  if (k0 < p.k) MatvecRowsAvx512<0, W>(p, n0, vectors, tail, k0, static_cast<int>(p.k - k0));
 }
 
+template <typename W>
 void MatmulPanelAvx512(const Matmul& p, int64_t n0) {
   const int64_t cols = std::min(kPanelCols, p.n - n0);
   const int64_t vectors = (cols + 15) / 16;
   const int64_t tail_cols = cols - 16 * (vectors - 1);
   const __mmask16 tail = static_cast<__mmask16>((1u << tail_cols) - 1u);
-  const float* w = p.w + n0;
+  const float* w = nullptr;
   int64_t ldw = p.n;
-  const bool pack = p.m > kRowBlock;  // several row blocks read the panel
-  if (pack) {
+  // Packed when several row blocks read the panel, and always from bfloat16 (the tiles read float32).
+  if (p.m > kRowBlock || !std::is_same_v<W, float>) {
     std::vector<float>& panel = ThreadScratch().panel;
     if (static_cast<int64_t>(panel.size()) < p.k * kPanelCols) panel.resize(p.k * kPanelCols);
-    PackPanelAvx512(w, ldw, p.k, vectors, tail, panel.data());
+    PackPanelAvx512(p.Weights<W>() + n0, ldw, p.k, vectors, tail, panel.data());
     w = panel.data();
     ldw = kPanelCols;
+  } else {
+    w = p.Weights<float>() + n0;
   }
+  const bool pack = ldw == kPanelCols;
   for (int64_t r0 = 0; r0 < p.m; r0 += kRowBlock) {
     const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
     kMatmulTiles[!pack][rows - 1][vectors - 1](p, w, ldw, r0, n0, tail);
@@ -887,7 +909,8 @@ void MatmulPanelAvx512(const Matmul& p, int64_t n0) {
 bool UseAvx512Matmul() {  // FERRY_NATIVE_MATMUL_GENERIC=1 forces the portable loops (tests)
   const char* env = std::getenv("FERRY_NATIVE_MATMUL_GENERIC");
   if (env != nullptr && *env == '1') return false;
-  return __builtin_cpu_supports("avx512f");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
 }
 #else
 bool UseAvx512Matmul() { return false; }
@@ -895,35 +918,44 @@ bool UseAvx512Matmul() { return false; }
 
 struct MatmulWork {
   const Matmul* problem;
+  bool bf16;    // the weights are bfloat16
   bool avx512;
   bool matvec;  // avx512 and one row: kMatvecCols columns an item
   int64_t PanelCols() const { return matvec ? kMatvecCols : kPanelCols; }
   static void Run(const void* self, int64_t panel) {
     const auto* w = static_cast<const MatmulWork*>(self);
 #ifdef FERRY_HAVE_AVX512_MATMUL
-    if (w->matvec) return MatvecChunkAvx512(*w->problem, panel * kMatvecCols);
-    if (w->avx512) return MatmulPanelAvx512(*w->problem, panel * kPanelCols);
+    if (w->matvec)
+      return w->bf16 ? MatvecChunkAvx512<uint16_t>(*w->problem, panel * kMatvecCols)
+                     : MatvecChunkAvx512<float>(*w->problem, panel * kMatvecCols);
+    if (w->avx512)
+      return w->bf16 ? MatmulPanelAvx512<uint16_t>(*w->problem, panel * kPanelCols)
+                     : MatmulPanelAvx512<float>(*w->problem, panel * kPanelCols);
 #endif
-    MatmulPanelGeneric(*w->problem, panel * kPanelCols);
+    if (w->bf16) return MatmulPanelGenericBf16(*w->problem, panel * kPanelCols);
+    MatmulPanelGenericF32(*w->problem, panel * kPanelCols);
   }
 };
 
-ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x,
-                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
-                             ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || layer.element_count() != 1 || yd.size() != 2 ||
       xd[1] != wd[1] || yd[0] != xd[0] || yd[1] != wd[2])
     return ffi::Error::InvalidArgument(
         "ferry stacked matmul: expected x [M,K], w [L,K,N], layer [] and y [M,N]");
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (!bf16 && w.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("ferry stacked matmul: w must be float32 or bfloat16");
   if (wd[0] == 0) return ffi::Error::InvalidArgument("ferry stacked matmul: w has no layers");
   // Clamped like XLA's dynamic-slice clamps its start index.
   const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, wd[0] - 1);
-  const Matmul p{x.typed_data(), w.typed_data() + l * wd[1] * wd[2], y->typed_data(),
-                 xd[0], xd[1], wd[2]};
+  const int64_t element_bytes = bf16 ? 2 : 4;
+  const Matmul p{x.typed_data(), static_cast<const char*>(w.untyped_data()) + l * wd[1] * wd[2] * element_bytes,
+                 y->typed_data(), xd[0], xd[1], wd[2]};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   const bool avx512 = UseAvx512Matmul();
-  const MatmulWork work{&p, avx512, avx512 && p.m == 1};
+  const MatmulWork work{&p, bf16, avx512, avx512 && p.m == 1};
   const int64_t panels = (p.n + work.PanelCols() - 1) / work.PanelCols();
   int64_t threads = pool.num_threads();
   const int env = MaxThreadsFromEnv();
@@ -933,7 +965,7 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
   return Guarded([&] { return StackedMatmulBody(pool, x, w, layer, y); });
 }
@@ -997,7 +1029,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmul, StackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, K, N]
+                                  .Arg<ffi::AnyBuffer>()  // w [L, K, N] f32 or bf16
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
