@@ -32,9 +32,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import DecodeTokens
 from engine.step import prompt_logprobs_step, sample_step
 from models.loading import LoadedModel
-from models.paged import NULL_BLOCK, init_kv_cache
+from models.paged import NULL_BLOCK, init_kv_cache, write_blocks
 from models.sharding import kv_cache_sharding, make_mesh
 from models.transformer import StaticGraphDef
+from pallas_kernels import native
 
 log = logging.getLogger("ferry")
 
@@ -180,10 +181,10 @@ def _gather_blocks(kv_cache, block_ids):
     return tuple(pages[:, block_ids] for pages in kv_cache)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter_blocks(kv_cache, block_ids, blocks):
+@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
+def _scatter_blocks(kv_cache, block_ids, blocks, native_write: bool):
     # Padded entries of block_ids are the null block: whatever they carry lands there, harmlessly.
-    return tuple(pages.at[:, block_ids].set(new) for pages, new in zip(kv_cache, blocks))
+    return tuple(write_blocks(pages, block_ids, new, native_write) for pages, new in zip(kv_cache, blocks))
 
 
 def host_memory_sharding(mesh):
@@ -217,6 +218,8 @@ class ModelRunner:
         self.fed = jax.jit(lambda: jnp.zeros(self.buckets.decode_batch[-1], jnp.int32),
                            out_shardings=jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))()
         self.host_sharding = host_memory_sharding(self.mesh)
+        # Swap-ins write through the native row write on one CPU device (models.paged.write_blocks)
+        self._native_swap_in = self.mesh.size == 1 and jax.default_backend() == "cpu" and native.available()
         self.swapped: dict[tuple[int, ...], list] = {}  # host block ids -> the blocks' contents in host memory
         self.timings = {"device_s": 0.0, "pack_s": 0.0}
         self._background: threading.Thread | None = None  # warm-up's background compiles, if any
@@ -481,7 +484,7 @@ class ModelRunner:
     def _swap_in(self, host_ids, device_ids):
         blocks = self.swapped.pop(tuple(host_ids))
         blocks = jax.device_put(blocks, self.device_sharding)
-        self.kv_cache = _scatter_blocks(self.kv_cache, self._padded_ids(device_ids), blocks)
+        self.kv_cache = _scatter_blocks(self.kv_cache, self._padded_ids(device_ids), blocks, self._native_swap_in)
 
     def drop_swapped(self, host_ids):
         """A swapped request was aborted: forget its host copy."""
@@ -641,7 +644,7 @@ class ModelRunner:
                                                 sharding=self.device_sharding) for pages in cache)
             # No mesh context, as _swap_out and _swap_in call them: it is part of what a program is keyed by.
             _gather_blocks.lower(cache, ids).compile()
-            _scatter_blocks.lower(cache, ids, blocks).compile()
+            _scatter_blocks.lower(cache, ids, blocks, self._native_swap_in).compile()
 
     def _warm_swaps(self):
         for n in self.buckets.swap_blocks:

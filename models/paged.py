@@ -59,6 +59,18 @@ def layer_pool(pages: jax.Array) -> jax.Array:
     return pages.reshape(pages.shape[0] * pages.shape[1], *pages.shape[2:])
 
 
+def write_blocks(pages, block_ids, blocks, native_write: bool):
+    """pages [L, NB, BS, ...] with pages[:, block_ids] = blocks [L, n, BS, ...] (a swap-in). `native_write`
+    (CPU): the native row write, in place. XLA CPU widens a 16-bit float scatter (or update) to float32
+    over the whole pool: 1.4 s per swap-in of a bf16 cache of 16k blocks (float32: 1.3 ms)."""
+    if not native_write:
+        return pages.at[:, block_ids].set(blocks)
+    num_layers, num_blocks, block_size = pages.shape[:3]
+    first_rows = (jnp.arange(num_layers)[:, None] * num_blocks + block_ids[None, :]) * block_size  # [L, n]
+    slots = (first_rows[:, :, None] + jnp.arange(block_size)).reshape(-1)
+    return native.kv_write(pages, blocks.reshape(-1, *pages.shape[3:]), slots)
+
+
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
     """Scatter this step's k/v [T, Hkv, D] into their slots. Under a donated cache XLA does it in place."""
     if jax.default_backend() == "cpu" and native.available():

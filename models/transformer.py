@@ -77,7 +77,7 @@ class Linear(nnx.Linear):
         if kernel.ndim == 2:
             y = matmul(x.astype(self.dtype), kernel)
         else:  # float32 sums, rounded once to the model's dtype as `matmul` does
-            y = native.stacked_matmul(x.astype(jnp.float32), kernel, self.layer).astype(self.dtype)
+            y = native.stacked_matmul(x.astype(self.dtype), kernel, self.layer).astype(self.dtype)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -104,19 +104,24 @@ def _linear(cfg_in, cfg_out, bias, dtype, rngs):
                   kernel_init=_INIT, rngs=rngs)
 
 
-# Decode steps of at most this many rows run the scanned layers' linears with the native stacked
-# matmul on CPU; prefill steps keep XLA's dot, over which its per-layer weight copy is amortised.
+# float32: decode steps of at most this many rows run the scanned layers' linears with the native
+# stacked matmul on CPU; prefill steps keep XLA's dot, over which its per-layer weight copy is amortised.
 # Measured (notes issue 12): the kernel at least matches copy + library dot from 1 to 256 rows
 # (K, N 256..2048), and is 1.3-1.6x faster at 16 rows; decode CPU time per step at SmolLM2-135M's
 # shape went from +40% to -4% against per-layer arrays.
 IN_PLACE_KERNEL_MAX_ROWS = 256
 
 
-def in_place_kernels(num_rows: int, dtype) -> bool:
+def in_place_kernels(num_rows: int, dtype, decode: bool) -> bool:
     """Whether a step of `num_rows` rows should read the scanned layers' kernels in place (see Linear):
-    CPU, the native library built, float32 or bfloat16 weights, no tensor parallelism, few rows."""
-    return (num_rows <= IN_PLACE_KERNEL_MAX_ROWS and jnp.dtype(dtype) in native.SUPPORTED_DTYPES
-            and jax.default_backend() == "cpu" and model_axis_size() == 1 and native.available())
+    CPU, the native library built, no tensor parallelism, and float32 weights in a decode step of few
+    rows, or bfloat16 weights in any step. XLA CPU widens a scanned bf16 stack to float32 whole on every
+    step: 8 layers of [512, 4096] took 41-55 ms that way at 64-512 rows, the kernel 8.4-43 ms."""
+    if jax.default_backend() != "cpu" or model_axis_size() != 1 or not native.available():
+        return False
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return True
+    return jnp.dtype(dtype) == jnp.float32 and decode and num_rows <= IN_PLACE_KERNEL_MAX_ROWS
 
 
 def _is_kernel(path, _value) -> bool:
@@ -266,7 +271,7 @@ class Transformer(nnx.Module):
 
         # The cache rides in the carry as one pool of every layer's pages: each layer scatters into
         # it and its kernel reads it in place (a per-layer slice would copy the layer's pages).
-        in_place = md.decode and in_place_kernels(x.shape[0], self.dtype)
+        in_place = in_place_kernels(x.shape[0], self.dtype, md.decode)
         x, k_pool, v_pool = self.scan_layers(layer_step, (x, layer_pool(k_pages), layer_pool(v_pages)),
                                              jnp.arange(cfg.num_layers), kernels_in_place=in_place)
         new_cache = (k_pool.reshape(k_pages.shape), v_pool.reshape(v_pages.shape))
@@ -294,10 +299,10 @@ class Transformer(nnx.Module):
         The scan's slice of a stacked array is a copy on XLA CPU: its library dots (YNNPACK) take
         static slices only, so every step copied each layer's weights (decode CPU time +35..39% at
         SmolLM2-135M's 30 x 576, batch 16, against per-layer arrays; jaxlib 0.10.2 and 0.11.2 alike).
-        `kernels_in_place` (in_place_kernels(): CPU, float32, few rows) keeps the linears' kernels
+        `kernels_in_place` (in_place_kernels(): CPU, float32 decode or bfloat16) keeps the linears' kernels
         out of the scanned operands: the body closes over the whole stacks and each Linear's native
         stacked matmul reads its layer where it lies. The small parameters (norms, biases) are
-        still sliced, and prefill-sized steps keep XLA's dots, over which the copy is amortised."""
+        still sliced, and float32 prefill steps keep XLA's dots, over which the copy is amortised."""
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):
                 carry = fn(layer, carry, None if xs is None else xs[i])

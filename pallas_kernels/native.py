@@ -315,7 +315,9 @@ def paged_prefill_attention_native(q, k_pages, v_pages, block_tables, context_le
 def kv_write(pages, updates, slot_mapping):
     """pages [NB, BS, H, D] with row slot_mapping[t] (block * BS + offset) set to updates[t] [T, H, D]
     (cast to the pages' dtype); slots outside the pages are dropped, as `.at[].set(mode="drop")`.
-    The output aliases `pages`: under a donated cache XLA writes the T rows in place."""
+    More leading dims count as more blocks, in order ([L, NB, BS, H, D]: slot (l * NB + block) * BS +
+    offset): a caller need not reshape a donated pool, which makes XLA copy it. The output aliases `pages`:
+    under a donated cache XLA writes the T rows in place."""
     if not available():
         raise RuntimeError(f"native CPU kv write unavailable: {unavailable_reason()}")
     call = jax.ffi.ffi_call(KV_WRITE_TARGET, jax.ShapeDtypeStruct(pages.shape, pages.dtype),
@@ -324,16 +326,18 @@ def kv_write(pages, updates, slot_mapping):
 
 
 def stacked_matmul(x, stacked_w, layer):
-    """x [..., K] @ stacked_w[layer] -> [..., N], float32, for float32 x, stacked_w [L, K, N] (float32, or
-    bfloat16: widened exactly as it is read, the sums in float32) and an int32 scalar `layer` (clamped
-    into [0, L) like a dynamic slice). The kernel reads the layer's weights where they lie in the stack:
-    under jax.lax.scan with the stack closed over (not sliced by the scan), no per-step copy of a layer's
-    weights. Reference: jnp.dot(x, stacked_w[layer].astype(float32))."""
+    """x [..., K] @ stacked_w[layer] -> [..., N], float32, for stacked_w [L, K, N] (float32, or bfloat16:
+    widened exactly as it is read, the sums in float32), x float32 (or bfloat16 under bfloat16 weights:
+    on a CPU with AVX512-BF16 its pairs of products go through the bf16 dot instruction, exact products
+    summed in float32) and an int32 scalar `layer` (clamped into [0, L) like a dynamic slice). The kernel
+    reads the layer's weights where they lie in the stack: under jax.lax.scan with the stack closed over
+    (not sliced by the scan), no per-step copy of a layer's weights.
+    Reference: jnp.dot(x.astype(float32), stacked_w[layer].astype(float32))."""
     if not available():
         raise RuntimeError(f"native CPU stacked matmul unavailable: {unavailable_reason()}")
-    if x.dtype != jnp.float32 or stacked_w.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"native stacked matmul takes float32 x and float32 or bfloat16 weights; got x "
-                         f"{x.dtype}, stacked_w {stacked_w.dtype}")
+    if stacked_w.dtype not in SUPPORTED_DTYPES or x.dtype not in {jnp.dtype(jnp.float32), stacked_w.dtype}:
+        raise ValueError(f"native stacked matmul takes float32 or bfloat16 weights and float32 x (or x of the "
+                         f"weights' dtype); got x {x.dtype}, stacked_w {stacked_w.dtype}")
     if stacked_w.ndim != 3 or x.shape[-1] != stacked_w.shape[1]:
         raise ValueError(f"native stacked matmul: x [..., K] and stacked_w [L, K, N] needed; got x "
                          f"{x.shape}, stacked_w {stacked_w.shape}")

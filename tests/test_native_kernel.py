@@ -155,6 +155,30 @@ def test_kv_write_matches_scatter_in_place(seed, dtype):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=f"seed={seed}")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_swap_in_writes_blocks_in_place(seed, dtype):
+    """A swap-in (runner._scatter_blocks) through the native row write on a whole [L, NB, BS, H, D] pool:
+    the blocks land where `.at[:, block_ids].set` puts them (padding ids on the null block), into the donated
+    pool's own buffer, and the compiled program neither copies nor widens the pool."""
+    from engine.runner import _scatter_blocks
+
+    rng = np.random.default_rng(seed)
+    layers, nb, bs, h, d, n = 3, 9, 4, 2, 8, 4
+    pools = tuple(jnp.asarray(rng.standard_normal((layers, nb, bs, h, d)), dtype) for _ in range(2))
+    ids = np.zeros(n, np.int32)  # the last one padding: the null block
+    ids[:n - 1] = rng.choice(np.arange(1, nb), size=n - 1, replace=False)
+    blocks = tuple(jnp.asarray(rng.standard_normal((layers, n, bs, h, d)), dtype) for _ in range(2))
+    want = [np.asarray(p.at[:, ids].set(b), np.float32) for p, b in zip(pools, blocks)]
+    lines = _scatter_blocks.lower(pools, jnp.asarray(ids), blocks, True).compile().as_text().splitlines()
+    pool_shape = f"[{layers},{nb},{bs},{h},{d}]"
+    assert not [l for l in lines if pool_shape in l and (" copy(" in l or "convert" in l)], "the pool was copied"
+    addresses = [p.unsafe_buffer_pointer() for p in pools]
+    got = _scatter_blocks(pools, jnp.asarray(ids), blocks, True)
+    assert [p.unsafe_buffer_pointer() for p in got] == addresses, "the swap-in copied the pool"
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), w, err_msg=f"seed={seed}")
+
+
 # ----------------------------------------------------------------------------- prefill
 
 # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap): test_kernels.py's, and
@@ -268,23 +292,29 @@ STACKED_MATMUL_SHAPES = [  # (M, K, N): odd sizes, one row (1024-column chunks, 
     (1, 1, 1), (1, 576, 1728), (1, 37, 1050), (5, 33, 70), (7, 129, 17), (16, 256, 1024), (13, 100, 129), (70, 64, 200)]
 
 
-@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("generic", [False, True], ids=["avx512_if_present", "portable"])
-def test_stacked_matmul_matches_dot(seed, generic, w_dtype, monkeypatch):
+@pytest.mark.parametrize("x_dtype,w_dtype,path", [
+    (jnp.float32, jnp.float32, "avx512_if_present"), (jnp.float32, jnp.float32, "portable"),
+    (jnp.float32, jnp.bfloat16, "avx512_if_present"), (jnp.float32, jnp.bfloat16, "portable"),
+    (jnp.bfloat16, jnp.bfloat16, "avx512_if_present"),  # the bf16 dot instruction where the CPU has it
+    (jnp.bfloat16, jnp.bfloat16, "widened"), (jnp.bfloat16, jnp.bfloat16, "portable")],
+    ids=["f32", "f32-portable", "bf16w", "bf16w-portable", "bf16", "bf16-widened", "bf16-portable"])
+def test_stacked_matmul_matches_dot(seed, x_dtype, w_dtype, path, monkeypatch):
     """x @ w[layer] for every layer of a random stack (poisoned output buffer), out-of-range layers
-    clamped like a dynamic slice, the same bits on one thread as on the pool. bfloat16 weights: the
-    float64 product of their exact float32 values."""
-    if generic:
+    clamped like a dynamic slice, the same bits on one thread as on the pool, and a row's bits the same
+    alone as in a batch. bfloat16 inputs: the float64 product of their exact float32 values."""
+    if path == "portable":
         monkeypatch.setenv("FERRY_NATIVE_MATMUL_GENERIC", "1")
+    if path == "widened":
+        monkeypatch.setenv("FERRY_NATIVE_MATMUL_NO_BF16_DOT", "1")
     rng = np.random.default_rng(seed)
     for m, k, n in STACKED_MATMUL_SHAPES:
         num_layers = 3
         w = jnp.asarray(rng.standard_normal((num_layers, k, n)), w_dtype)
-        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
         poison = jnp.zeros((m, n), jnp.float32)  # shape of the output, for run_poisoned
         for layer in [*range(num_layers), -1, num_layers]:
-            ref = np.asarray(x, np.float64) @ np.asarray(w[min(max(layer, 0), num_layers - 1)].astype(jnp.float32),
-                                                         np.float64)
+            ref = (np.asarray(x.astype(jnp.float32), np.float64)
+                   @ np.asarray(w[min(max(layer, 0), num_layers - 1)].astype(jnp.float32), np.float64))
             out = run_poisoned(lambda _, x, w, i: native.stacked_matmul(x, w, i), poison, x, w,
                                jnp.int32(layer))
             np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4 * np.sqrt(k),
@@ -301,7 +331,7 @@ def test_stacked_matmul_matches_dot(seed, generic, w_dtype, monkeypatch):
 def test_stacked_matmul_rejects_bad_inputs():
     x, w = jnp.zeros((2, 8), jnp.float32), jnp.zeros((3, 8, 4), jnp.float32)
     with pytest.raises(ValueError, match="float32"):
-        native.stacked_matmul(x.astype(jnp.bfloat16), w, 0)
+        native.stacked_matmul(x.astype(jnp.bfloat16), w, 0)  # bf16 x only under bf16 weights
     with pytest.raises(ValueError, match="bfloat16 weights"):
         native.stacked_matmul(x, w.astype(jnp.float16), 0)
     with pytest.raises(ValueError, match=r"stacked_w \[L, K, N\]"):
@@ -315,8 +345,8 @@ def test_scanned_decode_reads_kernels_in_place(seed, dtype):
     """The decode step's compiled HLO: the scanned layers' four linears are stacked-matmul custom
     calls on the whole [L, K, N] kernels, and no dynamic-slice or copy of a layer's [K, N] kernel is
     left (XLA CPU copied one per layer per step), nor a float32 copy of a bfloat16 stack (XLA CPU
-    widens a bf16 scan operand whole, every step); a prefill step keeps XLA's dots. Logits match the
-    sliced path's."""
+    widens a bf16 scan operand whole, every step); a float32 prefill step keeps XLA's dots, a bf16 one
+    reads in place too. Logits match the sliced path's."""
     from engine.packing import SeqSlice, StepLayout, pack
     from engine.step import model_step
     from models import transformer
@@ -332,10 +362,10 @@ def test_scanned_decode_reads_kernels_in_place(seed, dtype):
     seqs = [SeqSlice([int(rng.integers(0, 128))], 5 + i, [1 + i]) for i in range(4)]
     decode, prefill = StepLayout(4, 4, 1, 4, decode=True), StepLayout(16, 4, 1, 4, decode=False)
 
-    def step(max_rows):  # a fresh trace of the step, with this row threshold
+    def step(in_place_kernels=transformer.in_place_kernels):  # a fresh trace of the step, with this rule
         def run(*args):
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(transformer, "IN_PLACE_KERNEL_MAX_ROWS", max_rows)
+                mp.setattr(transformer, "in_place_kernels", in_place_kernels)
                 return model_step.__wrapped__(*args)
         return jax.jit(run, static_argnums=(0, 4))
 
@@ -343,10 +373,7 @@ def test_scanned_decode_reads_kernels_in_place(seed, dtype):
         cache = init_kv_cache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, dtype)
         return model.graphdef, model.state, cache, pack(seqs, layout, 16), layout
 
-    def hlo(layout, max_rows):
-        return step(max_rows).lower(*args(layout)).compile().as_text().splitlines()
-
-    in_place = step(8).lower(*args(decode)).compile()
+    in_place = step().lower(*args(decode)).compile()
     lines = in_place.as_text().splitlines()
     calls = [line for line in lines if "ferry_stacked_matmul" in line and "custom-call(" in line]
     assert len(calls) == 4, calls
@@ -355,8 +382,10 @@ def test_scanned_decode_reads_kernels_in_place(seed, dtype):
     copies = [line for line in lines if ("dynamic-slice(" in line or " copy(" in line or " convert(" in line)
               and any(s in line.split("=")[1].split("{")[0] for s in kernel_shapes)]
     assert not copies, copies
-    assert not [line for line in hlo(prefill, 256) if "ferry_stacked_matmul" in line]  # not decode
+    prefill_calls = [line for line in step().lower(*args(prefill)).compile().as_text().splitlines()
+                     if "ferry_stacked_matmul" in line]
+    assert len(prefill_calls) == (0 if dtype == jnp.float32 else 4), prefill_calls  # bf16: every step
 
-    sliced = step(0)(*args(decode))[0]
+    sliced = step(lambda *_: False)(*args(decode))[0]
     tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16: one rounding of each linear's float32 sum, both ways
     np.testing.assert_allclose(np.asarray(in_place(*args(decode)[1:4])[0]), np.asarray(sliced), rtol=tol, atol=tol)

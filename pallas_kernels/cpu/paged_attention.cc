@@ -5,10 +5,11 @@
 //                               context_lens [S] i32                      -> out [S, Hq, D]
 //   FerryPagedPrefillAttention  q [T, Hq, D], k/v pages, block_tables, context_lens,
 //                               query_start_loc [S + 1] i32               -> out [T, Hq, D]
-//   FerryKvWrite                pages [NB, BS, Hkv, D], new [T, Hkv, D] (pages' dtype),
+//   FerryKvWrite                pages [..., NB, BS, Hkv, D], new [T, Hkv, D] (pages' dtype),
 //                               slot_mapping [T] i32  -> pages with row slot_mapping[t] = new[t]
-//                               (aliased in place; slots outside [0, NB * BS) are dropped)
-//   FerryStackedMatmul          x [M, K] f32, w [L, K, N] f32 or bf16, layer [] i32
+//                               (rows of the leading dims in order; aliased in place; slots outside
+//                               the rows are dropped)
+//   FerryStackedMatmul          x [M, K] f32 (or bf16 under bf16 w), w [L, K, N] f32 or bf16, layer [] i32
 //                               -> x @ w[layer] [M, N] f32 (w[layer] read in place; see "stacked
 //                               matmul" below)
 //
@@ -261,6 +262,7 @@ struct Tile {
 struct Scratch {
   std::vector<float> q, acc, m, l, s, k, v;
   std::vector<float> panel;  // stacked matmul: one packed [K, 64] panel of w
+  std::vector<uint32_t> pair_panel;  // stacked matmul, bf16 dot products: [ceil(K / 2), 64] pairs of w's rows
   std::vector<int64_t> nk;
   void Reserve(int64_t rows, int64_t vecs, int64_t bs, int64_t d) {
     auto grow = [](auto& vec, int64_t n) {
@@ -707,12 +709,15 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer pages, ffi::AnyBuffer updates, ffi::Buffer
   auto pd = pages.dimensions(), ud = updates.dimensions();
   if (pages.element_type() != updates.element_type() || out->element_type() != pages.element_type())
     return ffi::Error::InvalidArgument("ferry kv write: pages, updates and out must share a dtype");
-  if (pd.size() != 4 || ud.size() != 3 || slots.dimensions().size() != 1 || ud[1] != pd[2] ||
-      ud[2] != pd[3] || slots.dimensions()[0] != ud[0])
+  const size_t n = pd.size();
+  if (n < 4 || ud.size() != 3 || slots.dimensions().size() != 1 || ud[1] != pd[n - 2] ||
+      ud[2] != pd[n - 1] || slots.dimensions()[0] != ud[0])
     return ffi::Error::InvalidArgument(
-        "ferry kv write: expected pages [NB,BS,H,D], updates [T,H,D], slot_mapping [T]");
-  const int64_t row_bytes = static_cast<int64_t>(pages.size_bytes() / (pd[0] * pd[1]));
-  const int64_t num_slots = pd[0] * pd[1];
+        "ferry kv write: expected pages [..., NB, BS, H, D], updates [T, H, D], slot_mapping [T]");
+  int64_t num_slots = 1;  // the rows of the leading dims, in order: [L, NB, BS] is L * NB * BS slots
+  for (size_t i = 0; i + 2 < n; ++i) num_slots *= pd[i];
+  if (num_slots == 0) return ffi::Error::Success();
+  const int64_t row_bytes = static_cast<int64_t>(pages.size_bytes() / num_slots);
   char* dst = static_cast<char*>(out->untyped_data());
   if (dst != pages.untyped_data())  // not aliased after all: start from the pages
     std::memcpy(dst, pages.untyped_data(), pages.size_bytes());
@@ -748,6 +753,7 @@ struct Matmul {
   const void* w;   // [K, N]: the chosen layer, float (W = float) or bfloat16 bits (W = uint16_t)
   float* y;        // [M, N]
   int64_t m, k, n;
+  const uint16_t* x16 = nullptr;  // [M, K] bfloat16 bits, when x came as bf16 (x: the same, widened)
   template <typename W>
   const W* Weights() const { return static_cast<const W*>(w); }
 };
@@ -906,6 +912,119 @@ void MatmulPanelAvx512(const Matmul& p, int64_t n0) {
   }
 }
 
+// bfloat16 x and w on a CPU with AVX512-BF16: vdpbf16ps multiplies pairs of bf16 and adds both products
+// to a float32 lane, twice the float32 FMA's work per instruction. w's panel is packed as pairs of
+// consecutive rows, [ceil(K / 2), kPanelCols] 32-bit lanes of (w[2k, j] low, w[2k + 1, j] high) (an odd
+// K's last pair has a zero high half), and each x row is read as pairs (x[2k], x[2k + 1]) broadcast.
+#define FERRY_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+
+FERRY_AVX512_BF16 void PackPairPanel(const uint16_t* w, int64_t ldw, int64_t k_rows, int64_t vectors,
+                                     __mmask16 tail, uint32_t* packed) {
+  for (int64_t k = 0; k < k_rows; k += 2, w += 2 * ldw, packed += kPanelCols) {
+    const bool pair = k + 1 < k_rows;
+    for (int64_t v = 0; v < vectors; ++v)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * ldw + 16 * v), _MM_HINT_T0);
+    for (int64_t v = 0; v < vectors; ++v) {
+      const __mmask16 m = v == vectors - 1 ? tail : static_cast<__mmask16>(0xFFFF);
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + 16 * v));
+      const __m512i hi = pair ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + ldw + 16 * v))
+                              : _mm512_setzero_si512();
+      _mm512_storeu_si512(packed + 16 * v, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+FERRY_INLINE uint32_t XPair(const uint16_t* x_row, int64_t k, int64_t k_rows) {  // (x[k], x[k + 1] or 0)
+  const uint32_t hi = k + 1 < k_rows ? x_row[k + 1] : 0u;
+  return static_cast<uint32_t>(x_row[k]) | (hi << 16);
+}
+
+template <int MR, int NV>
+FERRY_AVX512_BF16 void Dpbf16Tile(const Matmul& p, const uint32_t* packed, int64_t r0, int64_t n0, __mmask16 tail) {
+  __m512 acc[MR][NV];
+  FERRY_UNROLL for (int r = 0; r < MR; ++r)
+    FERRY_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const uint16_t* x = p.x16 + r0 * p.k;
+  for (int64_t k = 0; k < p.k; k += 2, packed += kPanelCols) {
+    __m512i b[NV];
+    FERRY_UNROLL for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(packed + 16 * v);
+    FERRY_UNROLL for (int r = 0; r < MR; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(XPair(x + r * p.k, k, p.k)));
+      FERRY_UNROLL for (int v = 0; v < NV; ++v)
+        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)a, (__m512bh)b[v]);
+    }
+  }
+  float* y = p.y + r0 * p.n + n0;
+  FERRY_UNROLL for (int r = 0; r < MR; ++r, y += p.n) {
+    FERRY_UNROLL for (int v = 0; v < NV - 1; ++v) _mm512_storeu_ps(y + 16 * v, acc[r][v]);
+    _mm512_mask_storeu_ps(y + 16 * (NV - 1), tail, acc[r][NV - 1]);
+  }
+}
+
+using Dpbf16TileFn = void (*)(const Matmul&, const uint32_t*, int64_t, int64_t, __mmask16);
+
+template <int MR>
+constexpr Dpbf16TileFn kDpbf16TilesOfRows[4] = {&Dpbf16Tile<MR, 1>, &Dpbf16Tile<MR, 2>, &Dpbf16Tile<MR, 3>,
+                                                &Dpbf16Tile<MR, 4>};
+constexpr const Dpbf16TileFn* kDpbf16Tiles[kRowBlock] = {
+    kDpbf16TilesOfRows<1>, kDpbf16TilesOfRows<2>, kDpbf16TilesOfRows<3>,
+    kDpbf16TilesOfRows<4>, kDpbf16TilesOfRows<5>, kDpbf16TilesOfRows<6>};
+
+void MatmulPanelDpbf16(const Matmul& p, int64_t n0) {
+  const int64_t cols = std::min(kPanelCols, p.n - n0);
+  const int64_t vectors = (cols + 15) / 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (cols - 16 * (vectors - 1))) - 1u);
+  std::vector<uint32_t>& panel = ThreadScratch().pair_panel;
+  const int64_t pairs = (p.k + 1) / 2;
+  if (static_cast<int64_t>(panel.size()) < pairs * kPanelCols) panel.resize(pairs * kPanelCols);
+  PackPairPanel(p.Weights<uint16_t>() + n0, p.n, p.k, vectors, tail, panel.data());
+  for (int64_t r0 = 0; r0 < p.m; r0 += kRowBlock) {
+    const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
+    kDpbf16Tiles[rows - 1][vectors - 1](p, panel.data(), r0, n0, tail);
+  }
+}
+
+// One row: y[0, n0 : n0 + kMatvecCols], streaming PAIRS pairs of w's rows (0: `pairs`, at run time) from k0,
+// each packed on the fly. The same dot-product sequence per column as the panels: the same bits.
+template <int PAIRS>
+FERRY_AVX512_BF16 void Dpbf16MatvecPairs(const Matmul& p, int64_t n0, int64_t vectors, __mmask16 tail, int64_t k0,
+                                         int pairs) {
+  __m512i a[kMatvecRows / 2];
+  const int count = PAIRS > 0 ? PAIRS : pairs;
+  for (int j = 0; j < count; ++j) a[j] = _mm512_set1_epi32(static_cast<int>(XPair(p.x16, k0 + 2 * j, p.k)));
+  const uint16_t* w = p.Weights<uint16_t>() + k0 * p.n + n0;
+  float* y = p.y + n0;
+  for (int64_t v = 0; v < vectors; ++v) {
+    const __mmask16 m = v == vectors - 1 ? tail : static_cast<__mmask16>(0xFFFF);
+    __m512 acc = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, y + 16 * v);
+    FERRY_UNROLL for (int j = 0; j < count; ++j) {
+      const uint16_t* row = w + 2 * j * p.n + 16 * v;
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row));
+      const __m512i hi = k0 + 2 * j + 1 < p.k ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + p.n))
+                                              : _mm512_setzero_si512();
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)a[j], (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    _mm512_mask_storeu_ps(y + 16 * v, m, acc);
+  }
+}
+
+void Dpbf16MatvecChunk(const Matmul& p, int64_t n0) {
+  const int64_t cols = std::min(kMatvecCols, p.n - n0);
+  const int64_t vectors = (cols + 15) / 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (cols - 16 * (vectors - 1))) - 1u);
+  if (p.k == 0) return std::fill(p.y + n0, p.y + n0 + cols, 0.0f);
+  int64_t k0 = 0;
+  for (; k0 + kMatvecRows <= p.k; k0 += kMatvecRows)
+    Dpbf16MatvecPairs<kMatvecRows / 2>(p, n0, vectors, tail, k0, kMatvecRows / 2);
+  if (k0 < p.k) Dpbf16MatvecPairs<0>(p, n0, vectors, tail, k0, static_cast<int>((p.k - k0 + 1) / 2));
+}
+
+bool UseDpbf16Matmul() {  // FERRY_NATIVE_MATMUL_NO_BF16_DOT=1 widens bf16 x instead (tests)
+  const char* env = std::getenv("FERRY_NATIVE_MATMUL_NO_BF16_DOT");
+  if (env != nullptr && *env == '1') return false;
+  return __builtin_cpu_supports("avx512bf16");
+}
+
 bool UseAvx512Matmul() {  // FERRY_NATIVE_MATMUL_GENERIC=1 forces the portable loops (tests)
   const char* env = std::getenv("FERRY_NATIVE_MATMUL_GENERIC");
   if (env != nullptr && *env == '1') return false;
@@ -914,6 +1033,7 @@ bool UseAvx512Matmul() {  // FERRY_NATIVE_MATMUL_GENERIC=1 forces the portable l
 }
 #else
 bool UseAvx512Matmul() { return false; }
+bool UseDpbf16Matmul() { return false; }
 #endif
 
 struct MatmulWork {
@@ -921,10 +1041,14 @@ struct MatmulWork {
   bool bf16;    // the weights are bfloat16
   bool avx512;
   bool matvec;  // avx512 and one row: kMatvecCols columns an item
+  bool dpbf16;  // bf16 x and w on AVX512-BF16: MatmulPanelDpbf16
   int64_t PanelCols() const { return matvec ? kMatvecCols : kPanelCols; }
   static void Run(const void* self, int64_t panel) {
     const auto* w = static_cast<const MatmulWork*>(self);
 #ifdef FERRY_HAVE_AVX512_MATMUL
+    if (w->dpbf16)
+      return w->matvec ? Dpbf16MatvecChunk(*w->problem, panel * kMatvecCols)
+                       : MatmulPanelDpbf16(*w->problem, panel * kPanelCols);
     if (w->matvec)
       return w->bf16 ? MatvecChunkAvx512<uint16_t>(*w->problem, panel * kMatvecCols)
                      : MatvecChunkAvx512<float>(*w->problem, panel * kMatvecCols);
@@ -937,7 +1061,7 @@ struct MatmulWork {
   }
 };
 
-ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || layer.element_count() != 1 || yd.size() != 2 ||
@@ -947,15 +1071,31 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
   const bool bf16 = w.element_type() == ffi::DataType::BF16;
   if (!bf16 && w.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("ferry stacked matmul: w must be float32 or bfloat16");
+  const bool x16 = x.element_type() == ffi::DataType::BF16;
+  if (!(x.element_type() == ffi::DataType::F32 || (x16 && bf16)))
+    return ffi::Error::InvalidArgument("ferry stacked matmul: x must be float32, or bfloat16 with bfloat16 w");
   if (wd[0] == 0) return ffi::Error::InvalidArgument("ferry stacked matmul: w has no layers");
   // Clamped like XLA's dynamic-slice clamps its start index.
   const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, wd[0] - 1);
   const int64_t element_bytes = bf16 ? 2 : 4;
-  const Matmul p{x.typed_data(), static_cast<const char*>(w.untyped_data()) + l * wd[1] * wd[2] * element_bytes,
-                 y->typed_data(), xd[0], xd[1], wd[2]};
+  Matmul p{static_cast<const float*>(x.untyped_data()),
+           static_cast<const char*>(w.untyped_data()) + l * wd[1] * wd[2] * element_bytes, y->typed_data(),
+           xd[0], xd[1], wd[2]};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   const bool avx512 = UseAvx512Matmul();
-  const MatmulWork work{&p, bf16, avx512, avx512 && p.m == 1};
+  // bf16 dot products for every row count (one row too): a row's sums do not depend on the batch.
+  const bool dpbf16 = x16 && avx512 && UseDpbf16Matmul();
+  const bool matvec = avx512 && p.m == 1;
+  std::vector<float> widened;  // bf16 x for the float32 paths: widened once, exactly
+  if (x16) {
+    p.x16 = static_cast<const uint16_t*>(x.untyped_data());
+    if (!dpbf16) {
+      widened.resize(p.m * p.k);
+      for (int64_t i = 0; i < p.m * p.k; ++i) widened[i] = Bf16ToF32(p.x16[i]);
+      p.x = widened.data();
+    }
+  }
+  const MatmulWork work{&p, bf16, avx512, matvec, dpbf16};
   const int64_t panels = (p.n + work.PanelCols() - 1) / work.PanelCols();
   int64_t threads = pool.num_threads();
   const int env = MaxThreadsFromEnv();
@@ -965,7 +1105,7 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi
   return ffi::Error::Success();
 }
 
-ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
   return Guarded([&] { return StackedMatmulBody(pool, x, w, layer, y); });
 }
@@ -1028,7 +1168,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryKvWrite, KvWriteImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmul, StackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K] f32, or bf16 under bf16 w
                                   .Arg<ffi::AnyBuffer>()  // w [L, K, N] f32 or bf16
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
