@@ -945,11 +945,16 @@ FERRY_AVX512_BF16 void Dpbf16Tile(const Matmul& p, const uint32_t* packed, int64
   FERRY_UNROLL for (int r = 0; r < MR; ++r)
     FERRY_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   const uint16_t* x = p.x16 + r0 * p.k;
+  // A pair of x is the 32-bit word at x + k: broadcast from memory (an odd K's last pair is built).
+  const int64_t even = p.k & ~int64_t{1};
   for (int64_t k = 0; k < p.k; k += 2, packed += kPanelCols) {
     __m512i b[NV];
     FERRY_UNROLL for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(packed + 16 * v);
     FERRY_UNROLL for (int r = 0; r < MR; ++r) {
-      const __m512i a = _mm512_set1_epi32(static_cast<int>(XPair(x + r * p.k, k, p.k)));
+      int32_t pair;
+      if (k < even) std::memcpy(&pair, x + r * p.k + k, sizeof(pair));
+      else pair = static_cast<int32_t>(XPair(x + r * p.k, k, p.k));
+      const __m512i a = _mm512_set1_epi32(pair);
       FERRY_UNROLL for (int v = 0; v < NV; ++v)
         acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)a, (__m512bh)b[v]);
     }
