@@ -783,10 +783,18 @@ FERRY_CLONES void MatmulPanelGenericBf16(const Matmul& p, int64_t n0) { MatmulPa
 #define FERRY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define FERRY_UNROLL _Pragma("GCC unroll 8")  // unrolled before GCC decides where acc lives
 
-// 16 weights from `w` as float32 (lanes outside `m` zero): a bfloat16 is the high half of its float32.
+// 16 bfloat16 from `w` (lanes outside `m` zero), each in a 32-bit lane: low half (`shift` 0) or high half
+// (16, the bits of its float32). Zero-masked forms: the plain intrinsics start from _mm512_undefined_epi32,
+// which GCC 12's -Wall reports as maybe-uninitialized.
+FERRY_AVX512 FERRY_INLINE __m512i LoadBf16Lanes(const uint16_t* w, __mmask16 m, unsigned shift) {
+  const __m512i lanes = _mm512_maskz_cvtepu16_epi32(m, _mm256_maskz_loadu_epi16(m, w));
+  return shift ? _mm512_maskz_slli_epi32(m, lanes, shift) : lanes;
+}
+
+// 16 weights from `w` as float32 (lanes outside `m` zero).
 FERRY_AVX512 FERRY_INLINE __m512 LoadWeights(const float* w, __mmask16 m) { return _mm512_maskz_loadu_ps(m, w); }
 FERRY_AVX512 FERRY_INLINE __m512 LoadWeights(const uint16_t* w, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w)), 16));
+  return _mm512_castsi512_ps(LoadBf16Lanes(w, m, 16));
 }
 
 // MR rows x NV vectors of 16 columns, register-blocked (MR * NV accumulators + NV weight vectors
@@ -926,10 +934,9 @@ FERRY_AVX512_BF16 void PackPairPanel(const uint16_t* w, int64_t ldw, int64_t k_r
       _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * ldw + 16 * v), _MM_HINT_T0);
     for (int64_t v = 0; v < vectors; ++v) {
       const __mmask16 m = v == vectors - 1 ? tail : static_cast<__mmask16>(0xFFFF);
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + 16 * v));
-      const __m512i hi = pair ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + ldw + 16 * v))
-                              : _mm512_setzero_si512();
-      _mm512_storeu_si512(packed + 16 * v, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      const __m512i lo = LoadBf16Lanes(w + 16 * v, m, 0);
+      const __m512i hi = pair ? LoadBf16Lanes(w + ldw + 16 * v, m, 16) : _mm512_setzero_si512();
+      _mm512_storeu_si512(packed + 16 * v, _mm512_or_si512(lo, hi));
     }
   }
 }
@@ -1004,10 +1011,9 @@ FERRY_AVX512_BF16 void Dpbf16MatvecPairs(const Matmul& p, int64_t n0, int64_t ve
     __m512 acc = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, y + 16 * v);
     FERRY_UNROLL for (int j = 0; j < count; ++j) {
       const uint16_t* row = w + 2 * j * p.n + 16 * v;
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row));
-      const __m512i hi = k0 + 2 * j + 1 < p.k ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + p.n))
-                                              : _mm512_setzero_si512();
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)a[j], (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      const __m512i lo = LoadBf16Lanes(row, m, 0);
+      const __m512i hi = k0 + 2 * j + 1 < p.k ? LoadBf16Lanes(row + p.n, m, 16) : _mm512_setzero_si512();
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)a[j], (__m512bh)_mm512_or_si512(lo, hi));
     }
     _mm512_mask_storeu_ps(y + 16 * v, m, acc);
   }
