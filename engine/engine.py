@@ -185,14 +185,17 @@ class LLMEngine:
         self._decode_keys: tuple[list, list[str], list[int]] = ([], [], [])
         # Async scheduling: the decode step dispatched and not yet landed, with its plan; None when none is
         self._flight: tuple[object, DecodeFlight] | None = None
+        # A plan made ahead whose dispatch failed on the host: the next step_core runs it synchronously
+        self._deferred = None
         self.outputs = OutputProcessor(tokenizer)  # text and RequestOutputs: step(), or the server's output thread
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
         self._grammar_compiler_lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
         self._next_id = 0
-        # "planned_ahead": steps planned and dispatched before the last one's tokens were in (async scheduling)
+        # "planned_ahead": steps planned and dispatched before the last one's tokens were in (async scheduling);
+        # "deferred": of those, plans that failed to start and ran synchronously a call later
         self.step_times = {"schedule_s": 0.0, "execute_s": 0.0, "postprocess_s": 0.0, "outputs_s": 0.0, "steps": 0,
-                           "planned_ahead": 0}
+                           "planned_ahead": 0, "deferred": 0}
         cache_s = time.perf_counter() - started - load_s
         counter = CompileCounter.install()
         compiled, loaded = counter.count, counter.cache_hits
@@ -375,15 +378,19 @@ class LLMEngine:
         and only then fetches and folds in the first one's tokens (its news is what that call returns). So the
         device does not wait for the host's scheduling, packing and postprocessing between decode steps. A
         call that cannot plan ahead (anything to admit, a prefill chunk, too few free blocks) only lands the
-        step in flight; the next one plans as usual."""
+        step in flight; the next one plans as usual. A plan made ahead that fails to start (a fault on the host,
+        in a row's inputs or sampling) waits: this call lands the step in flight, the next runs that plan
+        synchronously, where fault isolation ends the request that makes it fail."""
         t0 = time.perf_counter()
         self._apply_output_finishes()
-        flight = self._flight
+        flight, deferred, self._deferred = self._flight, self._deferred, None
         if flight is not None and not self.scheduler.can_schedule_ahead():
             self._flight = None
             return self._timed(t0, t0, time.perf_counter(), self._land(*flight))
-        try:
-            plan = self.scheduler.schedule(ahead=flight is not None)
+        try:  # a deferred plan's requests that ended since (its flight's last tokens, an abort) drop out of it
+            plan = (self.scheduler.schedule(ahead=flight is not None) if deferred is None else
+                    dataclasses.replace(deferred, decodes=[r for r in deferred.decodes
+                                                           if r.status is not RequestStatus.FINISHED]))
         except Exception as e:
             raise EngineDeadError(f"the scheduler failed: {e!r}") from e
         t1 = time.perf_counter()
@@ -392,11 +399,14 @@ class LLMEngine:
         decodes_only = not (plan.prefills or plan.swap_out or plan.swap_in)
         if flight is not None and not decodes_only:
             raise EngineDeadError(f"scheduler bug: step {plan.step}, planned ahead, is not decodes only")
-        if plan.decodes and (flight is not None or (self.config.async_scheduling and decodes_only)):
+        if plan.decodes and deferred is None and (flight is not None or (self.config.async_scheduling and decodes_only)):
             started = self._dispatch(plan, flight)
         self._flight = (plan, started) if started is not None else None
         if flight is not None:  # its news is this call's; the plan made ahead of it is decodes only
             self.step_times["planned_ahead"] += 1
+            if started is None:  # it did not start: it runs next call, synchronously
+                self._deferred = plan
+                self.step_times["deferred"] += 1
             return self._timed(t0, t1, time.perf_counter(), self._land(*flight))
         if started is not None:
             return self._timed(t0, t1, time.perf_counter(), StepNews([], {}, {}, [], time.monotonic()))
@@ -426,21 +436,17 @@ class LLMEngine:
         return news
 
     def _dispatch(self, plan, flight) -> DecodeFlight | None:
-        """Async scheduling: start the plan's decode batch (ModelRunner.dispatch_decodes); None when a row needs
-        its last token on the host first, or when a dispatch with nothing in flight fails (the synchronous step
-        then isolates the request that makes it fail). A plan made ahead of a flight's tokens has no such
-        fallback (its rows' tokens are on the device only; a row planned ahead never needs the host:
-        can_schedule_ahead admits no new row): a failure there ends the engine."""
+        """Async scheduling: start the plan's decode batch (ModelRunner.dispatch_decodes); None, with nothing
+        started, when a row needs its last token on the host first or the dispatch fails on the host: the plan
+        then runs synchronously (at once, or after `flight` lands), and fault isolation ends the request that
+        makes it fail. Only a failure that consumed the KV cache ends the engine."""
         try:
-            started = self.runner.dispatch_decodes(plan.decodes)
+            return self.runner.dispatch_decodes(plan.decodes)
         except Exception as e:
-            if flight is not None or self.runner.cache_lost:
+            if self.runner.cache_lost:
                 raise EngineDeadError(f"an async decode step failed: {e!r}") from e
             log.warning("dispatching step %d failed (%r); running it synchronously", plan.step, e)
-            return None  # nothing started: the synchronous step isolates the request that makes it fail
-        if started is None and flight is not None:
-            raise EngineDeadError("a decode row that needs its last token on the host was planned ahead")
-        return started
+            return None
 
     def _land(self, plan, flight: DecodeFlight) -> StepNews:
         """Fetch a dispatched decode step's tokens and fold them in as a synchronous step's postprocess does.
@@ -460,8 +466,10 @@ class LLMEngine:
         return self._news(plan, out, finished, {})
 
     def check_invariants(self) -> None:
-        """Scheduler.check_invariants, knowing the decode step in flight (async scheduling): between steps."""
-        self.scheduler.check_invariants(self._flight[0].decodes if self._flight is not None else (),
+        """Scheduler.check_invariants, knowing the decode step in flight, or the plan made ahead that waits to
+        run (async scheduling; each holds its rows' next slot): between steps."""
+        planned = self._flight[0] if self._flight is not None else self._deferred
+        self.scheduler.check_invariants(planned.decodes if planned is not None else (),
                                         planned_ahead=self.config.async_scheduling)
 
     def _sample_news(self, plan, out: RunnerOutput,

@@ -128,34 +128,41 @@ def test_top_k_beyond_vocabulary_is_no_filter(llm, prompts):
 
 
 def _poison(monkeypatch, bad_ids: set[str], after_tokens: int = 0):
-    """Make the runner fail whenever it runs a row of a request in `bad_ids` with at least `after_tokens`
-    output tokens (a host-side fault inside the step)."""
-    original = runner_module.ModelRunner._call  # every jitted call, with every row's request
+    """Make the runner fail whenever it starts a step with a row of a request in `bad_ids` with at least
+    `after_tokens` output tokens (a host-side fault inside the step, synchronous or dispatched ahead)."""
+    original = runner_module.ModelRunner._dispatch  # every jitted call, with every row's request
 
-    def call(self, buf, layout, rows, *args, **kwargs):
+    def dispatch(self, buf, layout, rows, *args, **kwargs):
+        rows = list(rows)
         for request, _ in rows:
             if request.group_id in bad_ids and request.num_output_tokens >= after_tokens:
                 raise RuntimeError(f"injected fault for {request.request_id}")
         return original(self, buf, layout, rows, *args, **kwargs)
 
-    monkeypatch.setattr(runner_module.ModelRunner, "_call", call)
+    monkeypatch.setattr(runner_module.ModelRunner, "_dispatch", dispatch)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("after_tokens", [0, 5])
-def test_a_failing_request_ends_alone(llm, prompts, monkeypatch, after_tokens):
+def test_a_failing_request_ends_alone(llm, prompts, monkeypatch, after_tokens, async_scheduling):
     """Poisoned requests (in prefill, or mid-decode) end with finish_reason "error" and an error message;
-    every other request in the same steps gives exactly its clean output; nothing leaks; later calls work."""
+    every other request in the same steps gives exactly its clean output; nothing leaks; later calls work.
+    Under async scheduling a fault in a step planned ahead waits for the step in flight, then runs
+    synchronously, isolated like any other."""
     clean = _texts(llm.generate(prompts, GREEDY, use_tqdm=False))
     engine = llm.engine
     ids = [engine.add_request(None, p, GREEDY) for p in prompts]
     bad = {ids[1], ids[4]}
     _poison(monkeypatch, bad, after_tokens)
+    monkeypatch.setattr(engine.config, "async_scheduling", async_scheduling)
+    planned_ahead = engine.step_times["planned_ahead"]
     finals = {}
     while engine.has_unfinished():
         for delta in engine.step():
             if delta.finished:
                 finals[delta.request_id] = delta
-        engine.scheduler.check_invariants()
+        engine.check_invariants()
+    assert (engine.step_times["planned_ahead"] > planned_ahead) == async_scheduling
     monkeypatch.undo()
     for i, rid in enumerate(ids):
         if rid in bad:
@@ -165,6 +172,40 @@ def test_a_failing_request_ends_alone(llm, prompts, monkeypatch, after_tokens):
     _assert_idle(llm)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _texts(outputs) == clean
+
+
+def test_a_fault_in_a_step_planned_ahead_ends_its_request_alone(llm, prompts, monkeypatch):
+    """Async scheduling: a request that makes the step planned ahead fail on the host (its dispatch) ends
+    alone with "error": the step in flight lands, the plan runs synchronously a call later and fault
+    isolation finds the request; the others give their clean tokens, the invariants hold at every step."""
+    clean = _texts(llm.generate(prompts, GREEDY, use_tqdm=False))
+    engine = llm.engine
+    monkeypatch.setattr(engine.config, "async_scheduling", True)
+    ids = [engine.add_request(None, p, GREEDY) for p in prompts]
+    render = {rid: engine.full_output(rid) for rid in ids}
+    finals = {}
+
+    def step():
+        for delta in engine.step():
+            if delta.finished:
+                finals[delta.request_id] = render[delta.request_id]()
+        engine.check_invariants()
+
+    deferred = engine.step_times["deferred"]
+    while not (engine._flight is not None and engine.scheduler.can_schedule_ahead()):  # a step in flight
+        step()
+    bad = next(r.group_id for r in engine._flight[0].decodes)  # in the plan made ahead next
+    _poison(monkeypatch, {bad})
+    while engine.has_unfinished():
+        step()
+    assert engine.step_times["deferred"] > deferred  # the plan made ahead waited (at least once)
+    monkeypatch.undo()
+    for rid, want in zip(ids, clean):
+        if rid == bad:
+            assert finals[rid].outputs[0].finish_reason == "error" and "injected fault" in finals[rid].error
+        else:
+            assert finals[rid].error is None and finals[rid].outputs[0].token_ids == want
+    _assert_idle(llm)
 
 
 def test_failed_requests_through_generate(llm, prompts, monkeypatch):
