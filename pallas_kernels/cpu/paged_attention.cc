@@ -883,16 +883,19 @@ FERRY_AVX512 void MatvecRowsAvx512(const Matmul& p, int64_t n0, int64_t vectors,
   }
 }
 
-template <typename W>
-void MatvecChunkAvx512(const Matmul& p, int64_t n0) {
+// Adds `rows` rows of w from k0 (times x's) into y[0, n0 : n0 + 16 * vectors].
+using MatvecRowsFn = void (*)(const Matmul&, int64_t n0, int64_t vectors, __mmask16 tail, int64_t k0, int rows);
+
+// y[0, n0 : n0 + kMatvecCols] for a one-row x: kMatvecRows rows of w at a time (`full`), then the rest
+// (`rest`).
+void MatvecChunk(const Matmul& p, int64_t n0, MatvecRowsFn full, MatvecRowsFn rest) {
   const int64_t cols = std::min(kMatvecCols, p.n - n0);
   const int64_t vectors = (cols + 15) / 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (cols - 16 * (vectors - 1))) - 1u);
   if (p.k == 0) return std::fill(p.y + n0, p.y + n0 + cols, 0.0f);
   int64_t k0 = 0;
-  for (; k0 + kMatvecRows <= p.k; k0 += kMatvecRows)
-    MatvecRowsAvx512<kMatvecRows, W>(p, n0, vectors, tail, k0, kMatvecRows);
-  if (k0 < p.k) MatvecRowsAvx512<0, W>(p, n0, vectors, tail, k0, static_cast<int>(p.k - k0));
+  for (; k0 + kMatvecRows <= p.k; k0 += kMatvecRows) full(p, n0, vectors, tail, k0, kMatvecRows);
+  if (k0 < p.k) rest(p, n0, vectors, tail, k0, static_cast<int>(p.k - k0));
 }
 
 template <typename W>
@@ -996,13 +999,13 @@ void MatmulPanelDpbf16(const Matmul& p, int64_t n0) {
   }
 }
 
-// One row: y[0, n0 : n0 + kMatvecCols], streaming PAIRS pairs of w's rows (0: `pairs`, at run time) from k0,
-// each packed on the fly. The same dot-product sequence per column as the panels: the same bits.
-template <int PAIRS>
-FERRY_AVX512_BF16 void Dpbf16MatvecPairs(const Matmul& p, int64_t n0, int64_t vectors, __mmask16 tail, int64_t k0,
-                                         int pairs) {
+// One row (a MatvecRowsFn): ROWS rows of w (0: `rows`, at run time) from k0, in pairs packed on the fly. The
+// same dot-product sequence per column as the panels: the same bits.
+template <int ROWS>
+FERRY_AVX512_BF16 void Dpbf16MatvecRows(const Matmul& p, int64_t n0, int64_t vectors, __mmask16 tail, int64_t k0,
+                                        int rows) {
   __m512i a[kMatvecRows / 2];
-  const int count = PAIRS > 0 ? PAIRS : pairs;
+  const int count = ROWS > 0 ? ROWS / 2 : (rows + 1) / 2;
   for (int j = 0; j < count; ++j) a[j] = _mm512_set1_epi32(static_cast<int>(XPair(p.x16, k0 + 2 * j, p.k)));
   const uint16_t* w = p.Weights<uint16_t>() + k0 * p.n + n0;
   float* y = p.y + n0;
@@ -1017,17 +1020,6 @@ FERRY_AVX512_BF16 void Dpbf16MatvecPairs(const Matmul& p, int64_t n0, int64_t ve
     }
     _mm512_mask_storeu_ps(y + 16 * v, m, acc);
   }
-}
-
-void Dpbf16MatvecChunk(const Matmul& p, int64_t n0) {
-  const int64_t cols = std::min(kMatvecCols, p.n - n0);
-  const int64_t vectors = (cols + 15) / 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (cols - 16 * (vectors - 1))) - 1u);
-  if (p.k == 0) return std::fill(p.y + n0, p.y + n0 + cols, 0.0f);
-  int64_t k0 = 0;
-  for (; k0 + kMatvecRows <= p.k; k0 += kMatvecRows)
-    Dpbf16MatvecPairs<kMatvecRows / 2>(p, n0, vectors, tail, k0, kMatvecRows / 2);
-  if (k0 < p.k) Dpbf16MatvecPairs<0>(p, n0, vectors, tail, k0, static_cast<int>((p.k - k0 + 1) / 2));
 }
 
 bool UseDpbf16Matmul() {  // FERRY_NATIVE_MATMUL_NO_BF16_DOT=1 widens bf16 x instead (tests)
@@ -1057,12 +1049,16 @@ struct MatmulWork {
   static void Run(const void* self, int64_t panel) {
     const auto* w = static_cast<const MatmulWork*>(self);
 #ifdef FERRY_HAVE_AVX512_MATMUL
-    if (w->dpbf16)
-      return w->matvec ? Dpbf16MatvecChunk(*w->problem, panel * kMatvecCols)
-                       : MatmulPanelDpbf16(*w->problem, panel * kPanelCols);
-    if (w->matvec)
-      return w->bf16 ? MatvecChunkAvx512<uint16_t>(*w->problem, panel * kMatvecCols)
-                     : MatvecChunkAvx512<float>(*w->problem, panel * kMatvecCols);
+    if (w->matvec) {
+      if (w->dpbf16)
+        return MatvecChunk(*w->problem, panel * kMatvecCols, &Dpbf16MatvecRows<kMatvecRows>, &Dpbf16MatvecRows<0>);
+      if (w->bf16)
+        return MatvecChunk(*w->problem, panel * kMatvecCols, &MatvecRowsAvx512<kMatvecRows, uint16_t>,
+                           &MatvecRowsAvx512<0, uint16_t>);
+      return MatvecChunk(*w->problem, panel * kMatvecCols, &MatvecRowsAvx512<kMatvecRows, float>,
+                         &MatvecRowsAvx512<0, float>);
+    }
+    if (w->dpbf16) return MatmulPanelDpbf16(*w->problem, panel * kPanelCols);
     if (w->avx512)
       return w->bf16 ? MatmulPanelAvx512<uint16_t>(*w->problem, panel * kPanelCols)
                      : MatmulPanelAvx512<float>(*w->problem, panel * kPanelCols);
