@@ -66,7 +66,7 @@ class EngineConfig:
     data_parallel_size: int = 1            # independent replicas, each on its own tensor_parallel_size devices
     scan_layers: bool = True               # one scanned layer (compile time independent of depth); False:
                                            # layers unrolled, compile time ~ depth
-    async_scheduling: bool = False         # plan and dispatch the next decode step while the last one runs,
+    async_scheduling: bool = True          # plan and dispatch the next decode step while the last one runs,
                                            # its tokens fed on the device (LLMEngine.step_core)
     warmup: str = "none"                   # compile in __init__: "full" every step shape, both samplers;
                                            # "lazy" each sampler's largest decode and prefill (steps pad up
@@ -469,8 +469,7 @@ class LLMEngine:
         """Scheduler.check_invariants, knowing the decode step in flight, or the plan made ahead that waits to
         run (async scheduling; each holds its rows' next slot): between steps."""
         planned = self._flight[0] if self._flight is not None else self._deferred
-        self.scheduler.check_invariants(planned.decodes if planned is not None else (),
-                                        planned_ahead=self.config.async_scheduling)
+        self.scheduler.check_invariants(planned.decodes if planned is not None else ())
 
     def _sample_news(self, plan, out: RunnerOutput,
                      finished: list[Request] | None) -> tuple[list[SampleNews], tuple, set[str]]:

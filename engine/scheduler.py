@@ -148,6 +148,8 @@ class Scheduler:
         # prefill chunk: while the set stays the same, its decoders do too (only a chunk ends a prefill)
         self._steady: tuple[list[Request], list[Request]] | None = None
         self._num_unreaped = 0  # requests postprocess finished since the last reap (still in `running`)
+        # The last plan was made ahead (async scheduling): its finished requests may hold one more slot
+        self._last_plan_ahead = False
 
     # -------------------------------------------------------------- requests in and out
 
@@ -200,6 +202,7 @@ class Scheduler:
         batch decoding on, each request one token further than its counters say."""
         self._num_steps += 1
         step = _StepState(StepPlan(step=self._num_steps), ahead=int(ahead))
+        self._last_plan_ahead = ahead
         self._reap(step)
         budget = self._budget(step)
         self._admit(step, budget)
@@ -522,11 +525,11 @@ class Scheduler:
                 "num_swapped": self.num_swapped, "preemptions": dict(self.num_preemptions),
                 "swap_fallbacks": self.num_swap_fallbacks} | self.kv.stats()
 
-    def check_invariants(self, in_flight: Sequence[Request] = (), planned_ahead: bool = False) -> None:
+    def check_invariants(self, in_flight: Sequence[Request] = ()) -> None:
         """Raise AssertionError unless pools, queues and requests agree. Meant between steps (after
-        postprocess), e.g. after every step in tests. Under async scheduling (`planned_ahead`) `in_flight` is
-        the decode batch planned and not yet postprocessed, whose requests hold the slot of one more token;
-        a finished request not yet reaped may hold it too (it ended while such a step was in flight)."""
+        postprocess), e.g. after every step in tests. Under async scheduling `in_flight` is the decode batch
+        planned and not yet postprocessed, whose requests hold the slot of one more token; when the last plan
+        was made ahead, a finished request not yet reaped may hold it too (it ended in the step before)."""
         in_flight = set(in_flight)
         self.kv.check_invariants(self.running + self.waiting + self.swapped)
         queues = ((self.waiting, RequestStatus.WAITING), (self.running, RequestStatus.RUNNING),
@@ -543,7 +546,7 @@ class Scheduler:
                        f"{r.request_id}: num_tokens {r.num_tokens} is not prompt + outputs (append_output bypassed?)")
                 expected = cdiv(r.prefill_target + (r in in_flight), self.config.block_size)
                 if status is RequestStatus.RUNNING:
-                    ahead_slot = planned_ahead and r.is_finished and len(r.block_ids) == expected + 1
+                    ahead_slot = self._last_plan_ahead and r.is_finished and len(r.block_ids) == expected + 1
                     _check((len(r.block_ids) == expected or ahead_slot) and not r.host_block_ids,
                            f"{r.request_id}: {len(r.block_ids)} device blocks, expected {expected}")
                 elif status is RequestStatus.SWAPPED:  # a swapped request keeps its shared head on the device

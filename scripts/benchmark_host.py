@@ -80,7 +80,9 @@ def stub_engine(batch: int, context: int, steps: int, tokenizer) -> LLMEngine:
     engine = LLMEngine(random_model(cfg), EngineConfig(
         block_size=FLAGS.block_size, max_num_seqs=batch, max_model_len=max_len,
         max_num_batched_tokens=PREFILL_TOKENS, num_blocks=1 + batch * blocks_per_seq, num_host_blocks=0,
-        enable_prefix_caching=False), tokenizer=tokenizer)
+        # Synchronous steps: each call's phases are that step's own (a step planned ahead splits its device
+        # time between two calls); the host work per step is the same either way.
+        enable_prefix_caching=False, async_scheduling=False), tokenizer=tokenizer)
     engine.runner.device_step = stub_device_step(vocab, FLAGS.device_ms / 1e3)
     return engine
 

@@ -4,9 +4,9 @@ vLLM's `bench throughput`).
 Every backend runs the same seeded workload on the same checkpoint, greedy with EOS ignored, so each
 request generates exactly its output length:
 
-  ferry          every request through LLMEngine's continuous batching at once.
-  ferry-async    the same with async scheduling (EngineConfig.async_scheduling: each decode step planned and
-                 dispatched before the last one's tokens are back).
+  ferry          every request through LLMEngine's continuous batching at once (async scheduling, the
+                 default: each decode step planned and dispatched before the last one's tokens are back).
+  ferry-sync     the same with async scheduling off (EngineConfig.async_scheduling=False).
   ferry-nocache  the same with prefix caching off (--workload=shared_prefix or multi_turn: the gain).
   ferry-unrolled the same with the decoder layers unrolled (EngineConfig.scan_layers=False).
   ferry-kv-bf16  the same with a bfloat16 KV cache (EngineConfig.kv_dtype; under a float32 model).
@@ -73,10 +73,10 @@ from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.loading import FERRY_CONFIG, LoadedModel, load_model, random_model
 
-BACKENDS = ("ferry", "ferry-async", "ferry-nocache", "ferry-unrolled", "ferry-kv-bf16", "ferry-static", "transformers",
+BACKENDS = ("ferry", "ferry-sync", "ferry-nocache", "ferry-unrolled", "ferry-kv-bf16", "ferry-static", "transformers",
             "vllm")
 HF_BACKENDS = ("transformers", "vllm")  # these load the Hugging Face directory themselves
-SINGLE_BACKENDS = ("ferry", "ferry-async", "transformers", "vllm")
+SINGLE_BACKENDS = ("ferry", "ferry-sync", "transformers", "vllm")
 WORKLOADS = ("random", "shared_prefix", "multi_turn")
 
 FLAGS = flags.FLAGS
@@ -503,8 +503,8 @@ def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: Engi
                  requests: list[bc.BenchRequest], scratch: str):
     if name == "ferry":
         return FerryBackend(name, model, config, batch_size=None)
-    if name == "ferry-async":
-        return FerryBackend(name, model, dataclasses.replace(config, async_scheduling=True), batch_size=None)
+    if name == "ferry-sync":
+        return FerryBackend(name, model, dataclasses.replace(config, async_scheduling=False), batch_size=None)
     if name == "ferry-nocache":
         return FerryBackend(name, model, dataclasses.replace(config, enable_prefix_caching=False), batch_size=None)
     if name == "ferry-unrolled":

@@ -322,7 +322,8 @@ def test_cache_salt_and_reset_prefix_cache(llama):
     assert run("d", salt="alice") == 40    # alice's 5 blocks
     assert run("e") == 80                  # and the unsalted ones
     engine.add_request("f", prompt, params)
-    engine.step()                          # f holds cached blocks now
+    while not any(r.group_id == "f" for r in engine.scheduler.running):
+        engine.step()                      # f holds cached blocks now (async: after e's last flight lands)
     assert engine.reset_prefix_cache() is False and engine.scheduler.stats()["prefix_cache_blocks"] > 0
     while engine.has_unfinished():
         engine.step()
