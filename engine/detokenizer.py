@@ -71,8 +71,10 @@ class _DecodeWindow:
     def push(self, token_id: int) -> str:
         """Add a token; return the new text that is certain (may be "")."""
         self.ids.append(token_id)
-        text = self.decode()
-        start = _common_prefix_len(self.accounted, text)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        accounted = self.accounted
+        # Per running request per step: the usual case (the window's text only grew) in one C call
+        start = len(accounted) if text.startswith(accounted) else _common_prefix_len(accounted, text)
         # A trailing U+FFFD may be an incomplete character that the next tokens complete: hold it back.
         end = len(text.rstrip(REPLACEMENT_CHAR))
         if end <= start:
@@ -153,6 +155,10 @@ class IncrementalDetokenizer:
         """The text delta to release after `token_id` (may be "")."""
         if self.finished:
             return ""
+        if not self.stop:  # nothing to match or hold back (per running request per step: no calls)
+            delta = self._window.push(token_id)
+            self.output_text += delta
+            return delta
         return self._release(self._window.push(token_id), at_end=False)
 
     def flush(self) -> str:

@@ -230,16 +230,16 @@ class OutputProcessor:
 
     def render(self, group: OutputGroup, samples, delta: bool, finished: bool | None = None) -> RequestOutput:
         outputs = []
-        for sample in samples:
-            start_tok = sample.emitted_tokens if delta else 0
-            start_txt = sample.emitted_text if delta else 0
+        for sample in samples:  # per request with news per step: positional arguments, locals
+            start_tok, start_txt = (sample.emitted_tokens, sample.emitted_text) if delta else (0, 0)
+            token_ids, text, logprobs = sample.token_ids, sample.text, sample.logprobs
+            finish_reason = sample.finish_reason
             outputs.append(CompletionOutput(
-                index=sample.index, text=sample.text[start_txt:], token_ids=sample.token_ids[start_tok:],
-                finish_reason=sample.finish_reason,
-                logprobs=None if sample.logprobs is None else sample.logprobs[start_tok:],
-                stop_reason=_stop_reason(group, sample)))
+                sample.index, text[start_txt:], token_ids[start_tok:], finish_reason,
+                None if logprobs is None else logprobs[start_tok:],
+                None if finish_reason is None else _stop_reason(group, sample)))
             if delta:
-                sample.emitted_tokens, sample.emitted_text = len(sample.token_ids), len(sample.text)
+                sample.emitted_tokens, sample.emitted_text = len(token_ids), len(text)
         finished = group.finished if finished is None else finished
         metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
                    "finished_time": group.finished_time}
