@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,12 +30,6 @@ from engine.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("ferry.server")
-
-# The GIL's switch interval while the loop runs. When the device step returns, the engine thread wants the
-# GIL back at once to land it and dispatch the next; while the output thread holds it, Python makes the
-# engine thread wait up to the switch interval (default 5 ms, a whole decode step on a GPU) before it forces
-# a switch. 0.5 ms bounds that wait; its extra switches cost the output thread little.
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclasses.dataclass(slots=True)
@@ -209,7 +202,6 @@ class EngineLoop:
     # ------------------------------------------------------------ any thread
 
     def start(self) -> None:
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._output_thread.start()
         self._thread.start()
 

@@ -5,8 +5,7 @@ a step's wall time is host work only. For each case B x C the engine takes B req
 (greedy, ignore_eos), prefills them (stubbed too), then times --steps decode steps of LLMEngine.step, per
 phase: the core (schedule; runner: packing, the stub call, reading the tokens; postprocess: folding them in,
 token stops, the step's news) and the outputs (detokenizing, stop strings, deltas); then --steps more with
-the outputs on their own thread as the server runs them, with its GIL switch interval ("pipelined step":
-the core's critical path).
+the outputs on their own thread as the server runs them ("pipelined step": the core's critical path).
 
     python scripts/benchmark_host.py --json_out=host.json            # batch 64 to 1,024, context 1k to 32k
 
@@ -15,7 +14,6 @@ A GPU decode step of a small model takes a few milliseconds: the host must stay 
 
 import queue
 import statistics
-import sys
 import threading
 import time
 
@@ -23,7 +21,6 @@ import numpy as np
 from absl import app, flags
 
 from engine.engine import EngineConfig, LLMEngine, freeze_startup_heap
-from engine.engine_loop import GIL_SWITCH_INTERVAL_S
 from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
@@ -38,8 +35,6 @@ flags.DEFINE_integer("steps", 30, "decode steps timed per case")
 flags.DEFINE_integer("block_size", 16, "KV block size")
 flags.DEFINE_bool("detokenize", True, "detokenize outputs (models/default's tokenizer); False: token ids only")
 flags.DEFINE_float("device_ms", 0.0, "the stub device's step time (a sleep, the GIL released)")
-flags.DEFINE_float("switch_interval_ms", 1e3 * GIL_SWITCH_INTERVAL_S, "the GIL's switch interval in the pipelined "
-                   "step, as the server sets it (engine/engine_loop.py); Python's default is 5")
 flags.DEFINE_string("json_out", None, "write results here")
 
 # LLMEngine.step_times keys: the core step (schedule, the runner's packing and stub call, postprocess with
@@ -135,8 +130,6 @@ def pipelined_step_ms(engine: LLMEngine, batch: int) -> float:
             engine.process_outputs(item)
 
     thread = threading.Thread(target=outputs)
-    default_interval = sys.getswitchinterval()
-    sys.setswitchinterval(FLAGS.switch_interval_ms / 1e3)
     t0 = time.perf_counter()
     thread.start()
     for _ in range(FLAGS.steps):
@@ -144,7 +137,6 @@ def pipelined_step_ms(engine: LLMEngine, batch: int) -> float:
     news.put(None)
     thread.join()
     elapsed = time.perf_counter() - t0
-    sys.setswitchinterval(default_interval)
     check_all_running(engine, batch)
     return 1e3 * elapsed / FLAGS.steps
 
@@ -182,7 +174,6 @@ def main(argv):
     print(format_table(headers, rows))
     if FLAGS.json_out:
         write_json(FLAGS.json_out, {"flags": {"cases": FLAGS.cases, "steps": FLAGS.steps, "device_ms": FLAGS.device_ms,
-                                              "switch_interval_ms": FLAGS.switch_interval_ms,
                                               "detokenize": FLAGS.detokenize}, "environment": environment(),
                                     "results": results})
 
