@@ -4,9 +4,11 @@ vLLM's `bench throughput`).
 Every backend runs the same seeded workload on the same checkpoint, greedy with EOS ignored, so each
 request generates exactly its output length:
 
-  ferry          every request through LLMEngine's continuous batching at once (async scheduling, the
-                 default: each decode step planned and dispatched before the last one's tokens are back).
-  ferry-sync     the same with async scheduling off (EngineConfig.async_scheduling=False).
+  ferry          every request through LLMEngine's continuous batching at once (EngineConfig's defaults:
+                 async scheduling on accelerators, not on CPU).
+  ferry-async    the same with async scheduling on (EngineConfig.async_scheduling: each decode step planned
+                 and dispatched before the last one's tokens are back).
+  ferry-sync     the same with async scheduling off.
   ferry-nocache  the same with prefix caching off (--workload=shared_prefix or multi_turn: the gain).
   ferry-unrolled the same with the decoder layers unrolled (EngineConfig.scan_layers=False).
   ferry-kv-bf16  the same with a bfloat16 KV cache (EngineConfig.kv_dtype; under a float32 model).
@@ -24,8 +26,9 @@ Static batches are consecutive requests in workload order (random lengths, so ea
 its longest member; --static_sort groups similar prompt lengths instead).
 
 Backends are warmed up first (excluded from timing, reported), then interleaved round-robin over
---repeats (rep 1: a, b, c; rep 2: a, b, c; ...), so slow drift of the machine hits all of them
-alike; the table quotes the median of the repeats and the ratios between backends. Warm-up times:
+--repeats, the order rotating (rep 1: a, b, c; rep 2: b, c, a; ...), so slow drift of the machine and
+the place in the order hit all of them alike (in a fixed order the first backend ran 4-8% slower than
+the same engine run second); the table quotes the median of the repeats and the ratios between backends. Warm-up times:
 the second Ferry engine reuses the first one's in-process compilations, and LLMEngine's persistent
 compilation cache makes any later launch's warm-up short (FERRY_COMPILATION_CACHE=0 for cold ones).
 
@@ -73,10 +76,10 @@ from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.loading import FERRY_CONFIG, LoadedModel, load_model, random_model
 
-BACKENDS = ("ferry", "ferry-sync", "ferry-nocache", "ferry-unrolled", "ferry-kv-bf16", "ferry-static", "transformers",
-            "vllm")
+BACKENDS = ("ferry", "ferry-async", "ferry-sync", "ferry-nocache", "ferry-unrolled", "ferry-kv-bf16", "ferry-static",
+            "transformers", "vllm")
 HF_BACKENDS = ("transformers", "vllm")  # these load the Hugging Face directory themselves
-SINGLE_BACKENDS = ("ferry", "ferry-sync", "transformers", "vllm")
+SINGLE_BACKENDS = ("ferry", "ferry-async", "ferry-sync", "transformers", "vllm")
 WORKLOADS = ("random", "shared_prefix", "multi_turn")
 
 FLAGS = flags.FLAGS
@@ -503,8 +506,9 @@ def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: Engi
                  requests: list[bc.BenchRequest], scratch: str):
     if name == "ferry":
         return FerryBackend(name, model, config, batch_size=None)
-    if name == "ferry-sync":
-        return FerryBackend(name, model, dataclasses.replace(config, async_scheduling=False), batch_size=None)
+    if name in ("ferry-async", "ferry-sync"):
+        return FerryBackend(name, model, dataclasses.replace(config, async_scheduling=name == "ferry-async"),
+                            batch_size=None)
     if name == "ferry-nocache":
         return FerryBackend(name, model, dataclasses.replace(config, enable_prefix_caching=False), batch_size=None)
     if name == "ferry-unrolled":
@@ -522,6 +526,12 @@ def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: Engi
 
 # ------------------------------------------------------------------ the benchmark
 
+def rotated(items: list, rep: int) -> list:
+    """`items` in the order of repeat `rep`: each repeat starts one later, so each takes every place."""
+    k = rep % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def time_backends(backends, requests) -> dict:
     """Warm each backend up, then time them round-robin over the repeats."""
     results = {}
@@ -529,8 +539,8 @@ def time_backends(backends, requests) -> dict:
         compiles = CompileCounter.count
         results[b.name] = {"load_s": getattr(b, "load_s", None), "warmup_s": b.warmup(),
                            "warmup_compiles": CompileCounter.count - compiles, "repeats": []}
-    for _ in range(FLAGS.repeats):
-        for b in backends:
+    for rep in range(FLAGS.repeats):
+        for b in rotated(backends, rep):
             results[b.name]["repeats"].append(run_metrics(b.run(requests), requests))
     for name, r in results.items():
         numeric = [k for k, v in r["repeats"][0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
@@ -546,8 +556,8 @@ def time_single_request(backends, vocab_size: int) -> dict:
     prompt = single_request_prompt(vocab_size)
     chosen = [b for b in backends if b.name in SINGLE_BACKENDS]
     raw = {b.name: [] for b in chosen}
-    for _ in range(FLAGS.repeats):
-        for b in chosen:
+    for rep in range(FLAGS.repeats):
+        for b in rotated(chosen, rep):
             raw[b.name].append(b.single(prompt, FLAGS.single_output_len))
     out = {"prompt_len": FLAGS.single_prompt_len, "output_len": FLAGS.single_output_len, "backends": {}}
     for name, reps in raw.items():
