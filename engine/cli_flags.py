@@ -115,8 +115,7 @@ def define_engine_flags():
     flags.DEFINE_boolean("async_scheduling", d.async_scheduling, "plan and dispatch each decode step before "
                          "the last one's tokens are back, feeding them on the device, so the accelerator does not "
                          "wait for the host between decode steps (steps with admissions, prefills, grammars, "
-                         "penalties or min_tokens run synchronously); default: on for GPUs and TPUs, off on CPU, where the host and "
-                         "XLA share the cores and it did not pay")
+                         "penalties or min_tokens run synchronously); --noasync_scheduling runs every step synchronously")
     flags.DEFINE_enum("warmup", d.warmup, WARMUP_MODES, "compile step shapes at start-up: full (all, before "
                       "serving), lazy (each sampler's largest decode and prefill first, which every step can pad up to; the rest "
                       "in the background), none (each on "

@@ -66,10 +66,8 @@ class EngineConfig:
     data_parallel_size: int = 1            # independent replicas, each on its own tensor_parallel_size devices
     scan_layers: bool = True               # one scanned layer (compile time independent of depth); False:
                                            # layers unrolled, compile time ~ depth
-    async_scheduling: bool | None = None   # plan and dispatch the next decode step while the last one runs,
-                                           # its tokens fed on the device (LLMEngine.step_core); None: on
-                                           # for accelerators, off on CPU (there the host and XLA share the
-                                           # cores: 0.89-1.03x of synchronous steps' tokens/s, measured)
+    async_scheduling: bool = True          # plan and dispatch the next decode step while the last one runs,
+                                           # its tokens fed on the device (LLMEngine.step_core)
     warmup: str = "none"                   # compile in __init__: "full" every step shape, both samplers;
                                            # "lazy" each sampler's largest decode and prefill (steps pad up
                                            # to them), the rest in the background;
@@ -152,8 +150,6 @@ class LLMEngine:
         started = time.perf_counter()
         enable_compilation_cache()
         mesh = make_mesh(engine_devices(config.tensor_parallel_size, devices))
-        if config.async_scheduling is None:
-            config = dataclasses.replace(config, async_scheduling=mesh.devices.flat[0].platform != "cpu")
         if isinstance(model, str):
             with jax.default_device(loading_device(mesh)):
                 model = load_model(model, config.dtype)

@@ -4,11 +4,9 @@ vLLM's `bench throughput`).
 Every backend runs the same seeded workload on the same checkpoint, greedy with EOS ignored, so each
 request generates exactly its output length:
 
-  ferry          every request through LLMEngine's continuous batching at once (EngineConfig's defaults:
-                 async scheduling on accelerators, not on CPU).
-  ferry-async    the same with async scheduling on (EngineConfig.async_scheduling: each decode step planned
-                 and dispatched before the last one's tokens are back).
-  ferry-sync     the same with async scheduling off.
+  ferry          every request through LLMEngine's continuous batching at once (async scheduling, the
+                 default: each decode step planned and dispatched before the last one's tokens are back).
+  ferry-sync     the same with async scheduling off (EngineConfig.async_scheduling=False).
   ferry-nocache  the same with prefix caching off (--workload=shared_prefix or multi_turn: the gain).
   ferry-unrolled the same with the decoder layers unrolled (EngineConfig.scan_layers=False).
   ferry-kv-bf16  the same with a bfloat16 KV cache (EngineConfig.kv_dtype; under a float32 model).
@@ -27,8 +25,7 @@ its longest member; --static_sort groups similar prompt lengths instead).
 
 Backends are warmed up first (excluded from timing, reported), then interleaved round-robin over
 --repeats, the order rotating (rep 1: a, b, c; rep 2: b, c, a; ...), so slow drift of the machine and
-the place in the order hit all of them alike (in a fixed order the first backend ran 4-8% slower than
-the same engine run second); the table quotes the median of the repeats and the ratios between backends. Warm-up times:
+the place in the order (first, or last, of a repeat) hit all of them alike; the table quotes the median of the repeats and the ratios between backends. Warm-up times:
 the second Ferry engine reuses the first one's in-process compilations, and LLMEngine's persistent
 compilation cache makes any later launch's warm-up short (FERRY_COMPILATION_CACHE=0 for cold ones).
 
@@ -76,10 +73,10 @@ from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.loading import FERRY_CONFIG, LoadedModel, load_model, random_model
 
-BACKENDS = ("ferry", "ferry-async", "ferry-sync", "ferry-nocache", "ferry-unrolled", "ferry-kv-bf16", "ferry-static",
+BACKENDS = ("ferry", "ferry-sync", "ferry-nocache", "ferry-unrolled", "ferry-kv-bf16", "ferry-static",
             "transformers", "vllm")
 HF_BACKENDS = ("transformers", "vllm")  # these load the Hugging Face directory themselves
-SINGLE_BACKENDS = ("ferry", "ferry-async", "ferry-sync", "transformers", "vllm")
+SINGLE_BACKENDS = ("ferry", "ferry-sync", "transformers", "vllm")
 WORKLOADS = ("random", "shared_prefix", "multi_turn")
 
 FLAGS = flags.FLAGS
@@ -506,9 +503,8 @@ def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: Engi
                  requests: list[bc.BenchRequest], scratch: str):
     if name == "ferry":
         return FerryBackend(name, model, config, batch_size=None)
-    if name in ("ferry-async", "ferry-sync"):
-        return FerryBackend(name, model, dataclasses.replace(config, async_scheduling=name == "ferry-async"),
-                            batch_size=None)
+    if name == "ferry-sync":
+        return FerryBackend(name, model, dataclasses.replace(config, async_scheduling=False), batch_size=None)
     if name == "ferry-nocache":
         return FerryBackend(name, model, dataclasses.replace(config, enable_prefix_caching=False), batch_size=None)
     if name == "ferry-unrolled":

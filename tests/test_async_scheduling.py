@@ -115,13 +115,6 @@ def test_a_request_after_the_last_one_ended_starts_at_once(model):
     assert engine.step_times["planned_ahead"] > 0 and engine.step_times["deferred"] == 0
 
 
-def test_async_scheduling_defaults_by_platform(model):
-    """Unset, async scheduling is on for accelerators and off on CPU (there it measured no gain: the host's
-    work and XLA's share the cores); an explicit setting stands."""
-    assert LLMEngine(model, EngineConfig(num_blocks=8, max_model_len=32)).config.async_scheduling is False
-    assert LLMEngine(model, EngineConfig(num_blocks=8, max_model_len=32, async_scheduling=True)).config.async_scheduling
-
-
 def test_decode_rows_feed_a_dispatched_step_and_learn_its_tokens():
     """DecodeRows across dispatch and land: the next pack feeds each row its own output of the last call
     (token_source = its index there) one position on, and after the land its tokens come from the host again;

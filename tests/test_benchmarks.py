@@ -18,12 +18,12 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
            FERRY_COMPILATION_CACHE="0")
 TINY_THROUGHPUT = dict(layers=1, hidden=64, heads=4, kv_heads=2, vocab=256, intermediate=128, num_prompts=6,
-                       prompt_len_range="4,16", output_len_range="4,16", compare="ferry,ferry-async,ferry-static,transformers,vllm",
+                       prompt_len_range="4,16", output_len_range="4,16", compare="ferry,ferry-sync,ferry-static,transformers,vllm",
                        repeats=2, static_batch=4, max_num_seqs=4, max_num_batched_tokens=64, single_prompt_len=8,
                        single_output_len=8, torch_threads=1)
 SERVING_LEVELS = [1, 4]
 FAKE_TOKEN_DELAY_S = 0.001
-BACKENDS = ("ferry", "ferry-async", "ferry-static", "transformers")
+BACKENDS = ("ferry", "ferry-sync", "ferry-static", "transformers")
 
 
 # ------------------------------------------------------------------ a fake OpenAI-compatible server
@@ -134,20 +134,20 @@ def test_throughput_json(results):
             assert rep["requests_per_s"] > 0 and rep["output_tokens_per_s"] > 0, name
             assert rep["total_tokens_per_s"] > rep["output_tokens_per_s"], name
         assert r["median"]["output_tokens_per_s"] > 0
-    for name in ("ferry", "ferry-async", "ferry-static"):
+    for name in ("ferry", "ferry-sync", "ferry-static"):
         r = result["results"][name]
         assert r["compiles_after_warmup"] == 0, name
         m = r["median"]
         assert 0 < m["host_share"] < 1 and 0 < m["device_share"] < 1, name
         assert 0 < m["peak_kv_usage"] <= 1 and m["preemptions"] >= 0 and m["steps"] > 0, name
     assert result["results"]["ferry"]["warmup_compiles"] > 0
-    assert result["results"]["ferry"]["median"]["planned_ahead"] == 0
-    assert result["results"]["ferry-async"]["median"]["planned_ahead"] > 0
+    assert result["results"]["ferry"]["median"]["planned_ahead"] > 0      # async scheduling, the default
+    assert result["results"]["ferry-sync"]["median"]["planned_ahead"] == 0
     assert set(result["ratios"]) == {f"{a}/{b}" for i, a in enumerate(BACKENDS) for b in BACKENDS[i + 1:]}
     for r in result["ratios"].values():
         assert r["of_medians"] > 0 and len(r["paired"]) == 2
     single = result["single_request"]
-    assert set(single["backends"]) == {"ferry", "ferry-async", "transformers"}
+    assert set(single["backends"]) == {"ferry", "ferry-sync", "transformers"}
     for s in single["backends"].values():
         assert s["median"]["output_tokens"] == 8 and s["median"]["ms_per_token"] > 0
     assert single["transformers_over_ferry_ms_per_token"] > 0

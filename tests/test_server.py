@@ -373,15 +373,16 @@ def test_64_concurrent_streams_with_preemption_and_disconnects(server, client):
     assert not server.engine.runner.swapped  # no host copy of an aborted swapped request left behind
 
 
-def test_async_scheduling_streams_the_same_text(model_dir, client):
-    """A server with async scheduling: 16 concurrent seeded streams (preempting each other) and a stop string
-    give the synchronous server's text, and every block comes back."""
+def test_sync_scheduling_streams_the_same_text(model_dir, server, client):
+    """A server with async scheduling off: 16 concurrent seeded streams (preempting each other) and a stop
+    string give the default (async scheduling) server's text, and every block comes back."""
     requests = _load_requests()
     alone = [client.completions.create(model=MODEL_NAME, **r, extra_body=NO_EOS).choices[0].text for r in requests]
     greedy = dict(prompt="hello world", max_tokens=24, temperature=0)
     full = client.completions.create(model=MODEL_NAME, **greedy, extra_body=NO_EOS).choices[0].text
     stop = full[len(full) // 2:len(full) // 2 + 3]
-    with serve(model_dir, ServerConfig(MODEL_NAME, api_key=API_KEY), async_scheduling=True) as running:
+    assert server.engine.step_times["planned_ahead"] > 0
+    with serve(model_dir, ServerConfig(MODEL_NAME, api_key=API_KEY), async_scheduling=False) as running:
         api = openai.AsyncOpenAI(base_url=running.url + "/v1", api_key=API_KEY, max_retries=0)
 
         async def stream(request):
@@ -397,7 +398,7 @@ def test_async_scheduling_streams_the_same_text(model_dir, client):
         assert texts[:-1] == alone
         assert texts[-1] == full[:full.index(stop)]
         running.settle()
-        assert running.engine.step_times["planned_ahead"] > 0
+        assert running.engine.step_times["planned_ahead"] == 0
 
 
 # ---------------------------------------------------------------------- the command line
