@@ -71,7 +71,7 @@ class _DecodeWindow:
     def push(self, token_id: int) -> str:
         """Add a token; return the new text that is certain (may be "")."""
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        text = self.decode()
         accounted = self.accounted
         # Per running request per step: the usual case (the window's text only grew) in one C call
         start = len(accounted) if text.startswith(accounted) else _common_prefix_len(accounted, text)
@@ -155,10 +155,6 @@ class IncrementalDetokenizer:
         """The text delta to release after `token_id` (may be "")."""
         if self.finished:
             return ""
-        if not self.stop:  # nothing to match or hold back (per running request per step: no calls)
-            delta = self._window.push(token_id)
-            self.output_text += delta
-            return delta
         return self._release(self._window.push(token_id), at_end=False)
 
     def flush(self) -> str:
@@ -170,6 +166,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _release(self, new_text: str, at_end: bool) -> str:
+        if not self.stop:  # nothing to match or hold back (the usual case, per running request per step)
+            return self._emit(new_text)
         # Every stop string that ends in new_text starts in _held + new_text: any start of one in the text already
         # released would have been held back.
         text = self._held + new_text

@@ -399,15 +399,16 @@ class LLMEngine:
         decodes_only = not (plan.prefills or plan.swap_out or plan.swap_in)
         if flight is not None and not decodes_only:
             raise EngineDeadError(f"scheduler bug: step {plan.step}, planned ahead, is not decodes only")
-        if plan.decodes and deferred is None and (flight is not None or (self.config.async_scheduling and decodes_only)):
-            started = self._dispatch(plan, flight)
+        asynchronous = flight is not None or (self.config.async_scheduling and decodes_only)
+        if plan.decodes and deferred is None and asynchronous:
+            started = self._dispatch(plan)
         self._flight = (plan, started) if started is not None else None
-        if flight is not None and plan.decodes:  # the plan made ahead of it is decodes only
-            self.step_times["planned_ahead"] += 1
-            if started is None:  # it did not start: it runs next call, synchronously
-                self._deferred = plan
-                self.step_times["deferred"] += 1
-        if flight is not None:  # its news is this call's (a plan made ahead with nothing to decode is done)
+        if flight is not None:  # its news is this call's; the plan made ahead of it is decodes only
+            if plan.decodes:  # (with nothing to decode, as when the last request ended in the flight, it is done)
+                self.step_times["planned_ahead"] += 1
+                if started is None:  # it did not start: it runs next call, synchronously
+                    self._deferred = plan
+                    self.step_times["deferred"] += 1
             return self._timed(t0, t1, time.perf_counter(), self._land(*flight))
         if started is not None:
             return self._timed(t0, t1, time.perf_counter(), StepNews([], {}, {}, [], time.monotonic()))
@@ -436,11 +437,11 @@ class LLMEngine:
         times["steps"] += 1
         return news
 
-    def _dispatch(self, plan, flight) -> DecodeFlight | None:
+    def _dispatch(self, plan) -> DecodeFlight | None:
         """Async scheduling: start the plan's decode batch (ModelRunner.dispatch_decodes); None, with nothing
         started, when a row needs its last token on the host first or the dispatch fails on the host: the plan
-        then runs synchronously (at once, or after `flight` lands), and fault isolation ends the request that
-        makes it fail. Only a failure that consumed the KV cache ends the engine."""
+        then runs synchronously (at once, or after the step in flight lands), and fault isolation ends the
+        request that makes it fail. Only a failure that consumed the KV cache ends the engine."""
         try:
             return self.runner.dispatch_decodes(plan.decodes)
         except Exception as e:

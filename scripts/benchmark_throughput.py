@@ -25,7 +25,8 @@ its longest member; --static_sort groups similar prompt lengths instead).
 
 Backends are warmed up first (excluded from timing, reported), then interleaved round-robin over
 --repeats, the order rotating (rep 1: a, b, c; rep 2: b, c, a; ...), so slow drift of the machine and
-the place in the order (first, or last, of a repeat) hit all of them alike; the table quotes the median of the repeats and the ratios between backends. Warm-up times:
+the place in the order (first, or last, of a repeat) hit all of them alike; the table quotes the median
+of the repeats and the ratios between backends. Warm-up times:
 the second Ferry engine reuses the first one's in-process compilations, and LLMEngine's persistent
 compilation cache makes any later launch's warm-up short (FERRY_COMPILATION_CACHE=0 for cold ones).
 
