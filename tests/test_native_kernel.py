@@ -337,6 +337,44 @@ def test_stacked_matmul_matches_dot(seed, x_dtype, w_dtype, path, monkeypatch):
             np.testing.assert_array_equal(np.asarray(serial)[0], np.asarray(pair)[1])
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype,path", [
+    (jnp.float32, jnp.float32, "avx512_if_present"), (jnp.float32, jnp.float32, "portable"),
+    (jnp.float32, jnp.bfloat16, "avx512_if_present"), (jnp.bfloat16, jnp.bfloat16, "avx512_if_present"),
+    (jnp.bfloat16, jnp.bfloat16, "widened"), (jnp.bfloat16, jnp.bfloat16, "portable")],
+    ids=["f32", "f32-portable", "bf16w", "bf16", "bf16-widened", "bf16-portable"])
+@pytest.mark.parametrize("act", native.GATED_ACTIVATIONS)
+def test_gated_stacked_matmul_matches_its_parts(seed, x_dtype, w_dtype, path, act, monkeypatch):
+    """The gated matmul (the activation applied per panel pair on AVX-512, in one pass after the sums
+    elsewhere) against the plain matmul's sums through gated_activation, in the model's dtype: float32
+    within a few ulp, bfloat16 within one bfloat16 ulp where an exp's last bit moves a rounding. Panel
+    tails on both halves (I not a multiple of 64), one row and many, every output element written."""
+    if path == "portable":
+        monkeypatch.setenv("FERRY_NATIVE_MATMUL_GENERIC", "1")
+    if path == "widened":
+        monkeypatch.setenv("FERRY_NATIVE_MATMUL_NO_BF16_DOT", "1")
+    rng = np.random.default_rng(seed)
+    dtype = jnp.bfloat16 if x_dtype == jnp.bfloat16 or w_dtype == jnp.bfloat16 else jnp.float32
+    moved = np.zeros(2, np.int64)  # bf16 outputs that differ, outputs
+    for m, k, half in [(1, 64, 96), (5, 33, 35), (13, 128, 128), (70, 64, 200)]:
+        w = jnp.asarray(rng.standard_normal((2, k, 2 * half)) / np.sqrt(k) * 3, w_dtype)
+        x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
+        poison = jnp.zeros((m, half), dtype)
+        out = run_poisoned(lambda _, x, w: native.stacked_matmul(x, w, 1, gated=act, dtype=dtype), poison, x, w)
+        ref = native.gated_activation(native.stacked_matmul(x, w, 1), dtype, act)
+        out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+        # Absolute slack for GELU's tail, where 1 + tanh(z) cancels: two tanh approximations 1e-7 apart
+        # differ there by ~1e-6 of |gate|.
+        rtol = 1e-5 if dtype == jnp.float32 else 2 ** -7
+        atol = 1e-6 * max(float(np.abs(ref).max()), 1.0)
+        np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol, err_msg=f"M,K,I={m, k, half} seed={seed}")
+        moved += [(out != ref).sum(), out.size]
+    if dtype == jnp.bfloat16:
+        # An exp's last bit rarely moves a rounding. GELU's tail cancels (1 + tanh(z) near 0), where any
+        # float32 evaluation moves ~7% of roundings from float64's (this kernel's and jnp's alike).
+        limit = 0.01 if act == "silu" else 0.1
+        assert moved[0] < limit * moved[1], f"{moved[0]} of {moved[1]} bf16 outputs moved seed={seed}"
+
+
 def test_stacked_matmul_rejects_bad_inputs():
     x, w = jnp.zeros((2, 8), jnp.float32), jnp.zeros((3, 8, 4), jnp.float32)
     with pytest.raises(ValueError, match="float32"):

@@ -11,7 +11,8 @@
 //                               the rows are dropped)
 //   FerryStackedMatmul          x [M, K] f32 (or bf16 under bf16 w), w [L, K, N] f32 or bf16, layer [] i32
 //                               -> x @ w[layer] [M, N] f32 (w[layer] read in place; see "stacked
-//                               matmul" below)
+//                               matmul" below); attribute act >= 0: act(gate) * up of its [gate | up]
+//                               halves, [M, N/2] f32 or bf16 (see "gated activation")
 //
 // Attributes: scale (f32) and soft_cap (f32; 0 = no cap). Semantics are those of
 // pallas_kernels/reference.py: a query's absolute position is context_len - query_len + its index
@@ -773,9 +774,15 @@ constexpr int kMatvecRows = 8;
 struct Matmul {
   const float* x;  // [M, K]
   const void* w;   // [K, N]: the chosen layer, float (W = float) or bfloat16 bits (W = uint16_t)
-  float* y;        // [M, N]
+  float* y;        // [M, N] (gated: scratch for the paths that do not fuse the activation)
   int64_t m, k, n;
   const uint16_t* x16 = nullptr;  // [M, K] bfloat16 bits, when x came as bf16 (x: the same, widened)
+  // Gated (act >= 0): w's columns are [gate | up], N = 2I, and the result is act(gate) * up, [M, I]
+  // in `gated_out` (float32 or bfloat16: see GatedRows), computed per panel pair from the tiles' sums.
+  int act = -1;
+  void* gated_out = nullptr;
+  bool gated_bf16 = false;
+  int64_t OutCols() const { return act >= 0 ? n / 2 : n; }
   template <typename W>
   const W* Weights() const { return static_cast<const W*>(w); }
 };
@@ -798,6 +805,78 @@ FERRY_INLINE void MatmulPanelGenericOf(const Matmul& p, int64_t n0) {
 }
 
 FERRY_CLONES void MatmulPanelGenericF32(const Matmul& p, int64_t n0) { MatmulPanelGenericOf<float>(p, n0); }
+
+// ----------------------------------------------------------------------------- gated activation
+
+// exp(x) for any x (clamped into [-87, 88], beyond which float32 under/overflows): ExpNonPositive's
+// reduction and polynomial, branch-free so the loops using it vectorise.
+FERRY_INLINE float ExpClamped(float x) {
+  const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// out[r, j] = act(gate[r, j]) * up[r, j] for `rows` rows of `cols` sums (rows ld apart). A bfloat16 out
+// rounds as a bfloat16 model's elementwise ops do (Hugging Face's act_fn(gate_proj(x)) * up_proj(x)):
+// gate and up rounded, act in float32 rounded, the product rounded. act 0: SiLU; 1: GELU (tanh).
+template <typename TOut, int kAct>
+FERRY_INLINE void GatedRowsOf(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t cols,
+                              TOut* out, int64_t ldo) {
+  constexpr bool kBf16 = std::is_same_v<TOut, uint16_t>;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate + r * ld;
+    const float* u = up + r * ld;
+    TOut* o = out + r * ldo;
+#pragma omp simd
+    for (int64_t i = 0; i < cols; ++i) {
+      const float gi = kBf16 ? Bf16ToF32(F32ToBf16(g[i])) : g[i];
+      const float ui = kBf16 ? Bf16ToF32(F32ToBf16(u[i])) : u[i];
+      float a;
+      if (kAct == 0) {
+        a = gi / (1.0f + ExpClamped(-gi));
+      } else {
+        a = 0.5f * gi * (1.0f + Tanh(0.7978845608028654f * (gi + 0.044715f * gi * gi * gi)));
+      }
+      if (kBf16) a = Bf16ToF32(F32ToBf16(a));
+      FromF32(a * ui, o + i);
+    }
+  }
+}
+
+// AVX-512 too: the element loop is all there is.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && \
+    !defined(FERRY_NO_TARGET_CLONES)
+#define FERRY_CLONES_512 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FERRY_CLONES_512
+#endif
+
+// Gate and up sums (rows ld apart) -> the result's rows r0.. at columns n0..n0 + cols.
+FERRY_CLONES_512 void GatedRows(const Matmul& p, const float* gate, const float* up, int64_t ld, int64_t r0,
+                            int64_t rows, int64_t n0, int64_t cols) {
+  const int64_t ldo = p.n / 2;
+  if (p.gated_bf16) {
+    uint16_t* out = static_cast<uint16_t*>(p.gated_out) + r0 * ldo + n0;
+    return p.act == 0 ? GatedRowsOf<uint16_t, 0>(gate, up, ld, rows, cols, out, ldo)
+                      : GatedRowsOf<uint16_t, 1>(gate, up, ld, rows, cols, out, ldo);
+  }
+  float* out = static_cast<float*>(p.gated_out) + r0 * ldo + n0;
+  return p.act == 0 ? GatedRowsOf<float, 0>(gate, up, ld, rows, cols, out, ldo)
+                    : GatedRowsOf<float, 1>(gate, up, ld, rows, cols, out, ldo);
+}
+
 FERRY_CLONES void MatmulPanelGenericBf16(const Matmul& p, int64_t n0) { MatmulPanelGenericOf<uint16_t>(p, n0); }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(FERRY_NO_TARGET_CLONES)
@@ -824,7 +903,7 @@ FERRY_AVX512 FERRY_INLINE __m512 LoadWeights(const uint16_t* w, __mmask16 m) {
 // `tail` masks the last vector's columns (a panel narrower than 16 * NV).
 template <int MR, int NV, bool kPrefetch>
 FERRY_AVX512 void MatmulTileAvx512(const Matmul& p, const float* w, int64_t ldw, int64_t r0,
-                                   int64_t n0, __mmask16 tail) {
+                                   __mmask16 tail, float* y, int64_t ldy) {
   __m512 acc[MR][NV];
   FERRY_UNROLL for (int r = 0; r < MR; ++r)
     FERRY_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -845,14 +924,15 @@ FERRY_AVX512 void MatmulTileAvx512(const Matmul& p, const float* w, int64_t ldw,
       FERRY_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
     }
   }
-  float* y = p.y + r0 * p.n + n0;
-  FERRY_UNROLL for (int r = 0; r < MR; ++r, y += p.n) {
+  FERRY_UNROLL for (int r = 0; r < MR; ++r, y += ldy) {
     FERRY_UNROLL for (int v = 0; v < NV - 1; ++v) _mm512_storeu_ps(y + 16 * v, acc[r][v]);
     _mm512_mask_storeu_ps(y + 16 * (NV - 1), tail, acc[r][NV - 1]);
   }
 }
 
-using MatmulTileFn = void (*)(const Matmul&, const float*, int64_t, int64_t, int64_t, __mmask16);
+// Tiles write rows r0.. of one panel's sums to y (rows ldy apart): into the result, or into a
+// gated panel pair's scratch.
+using MatmulTileFn = void (*)(const Matmul&, const float*, int64_t, int64_t, __mmask16, float*, int64_t);
 
 // w's [K, vectors * 16] panel at `w` (rows ldw apart) -> `packed` [K, kPanelCols] float32, read once
 // from memory with prefetch. Packed, the next row blocks read it contiguously: unpacked, rows 4 KiB
@@ -922,26 +1002,37 @@ void MatvecChunk(const Matmul& p, int64_t n0, MatvecRowsFn full, MatvecRowsFn re
 
 template <typename W>
 void MatmulPanelAvx512(const Matmul& p, int64_t n0) {
-  const int64_t cols = std::min(kPanelCols, p.n - n0);
+  const int64_t cols = std::min(kPanelCols, p.OutCols() - n0);
   const int64_t vectors = (cols + 15) / 16;
   const int64_t tail_cols = cols - 16 * (vectors - 1);
   const __mmask16 tail = static_cast<__mmask16>((1u << tail_cols) - 1u);
-  const float* w = nullptr;
+  Scratch& sc = ThreadScratch();
+  const int halves = p.act >= 0 ? 2 : 1;  // gated: the gate panel at n0 and the up panel at I + n0
+  const float* w[2] = {nullptr, nullptr};
   int64_t ldw = p.n;
   // Packed when several row blocks read the panel, and always from bfloat16 (the tiles read float32).
   if (p.m > kRowBlock || !std::is_same_v<W, float>) {
-    std::vector<float>& panel = ThreadScratch().panel;
-    if (static_cast<int64_t>(panel.size()) < p.k * kPanelCols) panel.resize(p.k * kPanelCols);
-    PackPanelAvx512(p.Weights<W>() + n0, ldw, p.k, vectors, tail, panel.data());
-    w = panel.data();
+    if (static_cast<int64_t>(sc.panel.size()) < halves * p.k * kPanelCols) sc.panel.resize(halves * p.k * kPanelCols);
+    for (int h = 0; h < halves; ++h) {
+      w[h] = sc.panel.data() + h * p.k * kPanelCols;
+      PackPanelAvx512(p.Weights<W>() + n0 + h * p.n / 2, p.n, p.k, vectors, tail, sc.panel.data() + h * p.k * kPanelCols);
+    }
     ldw = kPanelCols;
   } else {
-    w = p.Weights<float>() + n0;
+    for (int h = 0; h < halves; ++h) w[h] = p.Weights<float>() + n0 + h * p.n / 2;
   }
   const bool pack = ldw == kPanelCols;
   for (int64_t r0 = 0; r0 < p.m; r0 += kRowBlock) {
     const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
-    kMatmulTiles[!pack][rows - 1][vectors - 1](p, w, ldw, r0, n0, tail);
+    const MatmulTileFn tile = kMatmulTiles[!pack][rows - 1][vectors - 1];
+    if (halves == 1) {
+      tile(p, w[0], ldw, r0, tail, p.y + r0 * p.n + n0, p.n);
+    } else {
+      float sums[2][kRowBlock * kPanelCols];
+      tile(p, w[0], ldw, r0, tail, sums[0], kPanelCols);
+      tile(p, w[1], ldw, r0, tail, sums[1], kPanelCols);
+      GatedRows(p, sums[0], sums[1], kPanelCols, r0, rows, n0, cols);
+    }
   }
 }
 
@@ -972,7 +1063,8 @@ FERRY_INLINE uint32_t XPair(const uint16_t* x_row, int64_t k, int64_t k_rows) { 
 }
 
 template <int MR, int NV>
-FERRY_AVX512_BF16 void Dpbf16Tile(const Matmul& p, const uint32_t* packed, int64_t r0, int64_t n0, __mmask16 tail) {
+FERRY_AVX512_BF16 void Dpbf16Tile(const Matmul& p, const uint32_t* packed, int64_t r0, __mmask16 tail, float* y,
+                                  int64_t ldy) {
   __m512 acc[MR][NV];
   FERRY_UNROLL for (int r = 0; r < MR; ++r)
     FERRY_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -991,14 +1083,13 @@ FERRY_AVX512_BF16 void Dpbf16Tile(const Matmul& p, const uint32_t* packed, int64
         acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)a, (__m512bh)b[v]);
     }
   }
-  float* y = p.y + r0 * p.n + n0;
-  FERRY_UNROLL for (int r = 0; r < MR; ++r, y += p.n) {
+  FERRY_UNROLL for (int r = 0; r < MR; ++r, y += ldy) {
     FERRY_UNROLL for (int v = 0; v < NV - 1; ++v) _mm512_storeu_ps(y + 16 * v, acc[r][v]);
     _mm512_mask_storeu_ps(y + 16 * (NV - 1), tail, acc[r][NV - 1]);
   }
 }
 
-using Dpbf16TileFn = void (*)(const Matmul&, const uint32_t*, int64_t, int64_t, __mmask16);
+using Dpbf16TileFn = void (*)(const Matmul&, const uint32_t*, int64_t, __mmask16, float*, int64_t);
 
 template <int MR>
 constexpr Dpbf16TileFn kDpbf16TilesOfRows[4] = {&Dpbf16Tile<MR, 1>, &Dpbf16Tile<MR, 2>, &Dpbf16Tile<MR, 3>,
@@ -1008,16 +1099,27 @@ constexpr const Dpbf16TileFn* kDpbf16Tiles[kRowBlock] = {
     kDpbf16TilesOfRows<4>, kDpbf16TilesOfRows<5>, kDpbf16TilesOfRows<6>};
 
 void MatmulPanelDpbf16(const Matmul& p, int64_t n0) {
-  const int64_t cols = std::min(kPanelCols, p.n - n0);
+  const int64_t cols = std::min(kPanelCols, p.OutCols() - n0);
   const int64_t vectors = (cols + 15) / 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (cols - 16 * (vectors - 1))) - 1u);
   std::vector<uint32_t>& panel = ThreadScratch().pair_panel;
   const int64_t pairs = (p.k + 1) / 2;
-  if (static_cast<int64_t>(panel.size()) < pairs * kPanelCols) panel.resize(pairs * kPanelCols);
-  PackPairPanel(p.Weights<uint16_t>() + n0, p.n, p.k, vectors, tail, panel.data());
+  const int halves = p.act >= 0 ? 2 : 1;  // gated: the gate panel at n0 and the up panel at I + n0
+  if (static_cast<int64_t>(panel.size()) < halves * pairs * kPanelCols) panel.resize(halves * pairs * kPanelCols);
+  for (int h = 0; h < halves; ++h)
+    PackPairPanel(p.Weights<uint16_t>() + n0 + h * p.n / 2, p.n, p.k, vectors, tail,
+                  panel.data() + h * pairs * kPanelCols);
   for (int64_t r0 = 0; r0 < p.m; r0 += kRowBlock) {
     const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
-    kDpbf16Tiles[rows - 1][vectors - 1](p, panel.data(), r0, n0, tail);
+    const Dpbf16TileFn tile = kDpbf16Tiles[rows - 1][vectors - 1];
+    if (halves == 1) {
+      tile(p, panel.data(), r0, tail, p.y + r0 * p.n + n0, p.n);
+    } else {
+      float sums[2][kRowBlock * kPanelCols];
+      tile(p, panel.data(), r0, tail, sums[0], kPanelCols);
+      tile(p, panel.data() + pairs * kPanelCols, r0, tail, sums[1], kPanelCols);
+      GatedRows(p, sums[0], sums[1], kPanelCols, r0, rows, n0, cols);
+    }
   }
 }
 
@@ -1257,6 +1359,13 @@ struct MatmulWork {
   bool matvec;  // avx512 and one row: kMatvecCols columns an item
   bool dpbf16;  // bf16 x and w on AVX512-BF16: MatmulPanelDpbf16
   int64_t PanelCols() const { return matvec ? kMatvecCols : kPanelCols; }
+  // The AVX-512 panels apply a gated activation per panel pair; the other paths leave every sum in
+  // y for one pass afterwards.
+  bool FusesGate() const { return avx512 && !matvec; }
+  int64_t Items() const {
+    const int64_t cols = FusesGate() ? problem->OutCols() : problem->n;
+    return (cols + PanelCols() - 1) / PanelCols();
+  }
   static void Run(const void* self, int64_t panel) {
     const auto* w = static_cast<const MatmulWork*>(self);
 #ifdef FERRY_HAVE_AVX512_MATMUL
@@ -1280,12 +1389,17 @@ struct MatmulWork {
 };
 
 ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer>& y, int32_t act) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  const bool gated = act >= 0;
+  if (act > 1) return ffi::Error::InvalidArgument("ferry stacked matmul: act must be -1, 0 or 1");
   if (xd.size() != 2 || wd.size() != 3 || layer.element_count() != 1 || yd.size() != 2 ||
-      xd[1] != wd[1] || yd[0] != xd[0] || yd[1] != wd[2])
+      xd[1] != wd[1] || yd[0] != xd[0] || (gated ? (wd[2] % 2 != 0 || yd[1] * 2 != wd[2]) : yd[1] != wd[2]))
     return ffi::Error::InvalidArgument(
-        "ferry stacked matmul: expected x [M,K], w [L,K,N], layer [] and y [M,N]");
+        "ferry stacked matmul: expected x [M,K], w [L,K,N], layer [] and y [M,N] (gated: [M,N/2])");
+  const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
+  if (!(y->element_type() == ffi::DataType::F32 || (gated && y_bf16)))
+    return ffi::Error::InvalidArgument("ferry stacked matmul: y must be float32 (gated: or bfloat16)");
   const bool bf16 = w.element_type() == ffi::DataType::BF16;
   if (!bf16 && w.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("ferry stacked matmul: w must be float32 or bfloat16");
@@ -1297,9 +1411,14 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, wd[0] - 1);
   const int64_t element_bytes = bf16 ? 2 : 4;
   Matmul p{static_cast<const float*>(x.untyped_data()),
-           static_cast<const char*>(w.untyped_data()) + l * wd[1] * wd[2] * element_bytes, y->typed_data(),
-           xd[0], xd[1], wd[2]};
+           static_cast<const char*>(w.untyped_data()) + l * wd[1] * wd[2] * element_bytes,
+           static_cast<float*>(y->untyped_data()), xd[0], xd[1], wd[2]};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (gated) {
+    p.act = act;
+    p.gated_out = y->untyped_data();
+    p.gated_bf16 = y_bf16;
+  }
   const bool avx512 = UseAvx512Matmul();
   // bf16 dot products for every row count (one row too): a row's sums do not depend on the batch.
   const bool dpbf16 = x16 && avx512 && UseDpbf16Matmul();
@@ -1314,18 +1433,23 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
     }
   }
   const MatmulWork work{&p, bf16, avx512, matvec, dpbf16};
-  const int64_t panels = (p.n + work.PanelCols() - 1) / work.PanelCols();
+  std::vector<float> sums;  // gated, on the paths that do not fuse it: every sum, then one pass
+  if (gated && !work.FusesGate()) {
+    sums.resize(p.m * p.n);
+    p.y = sums.data();
+  }
   int64_t threads = pool.num_threads();
   const int env = MaxThreadsFromEnv();
   if (env > 0) threads = std::min<int64_t>(threads, env);
   if (p.m * p.k * p.n < (int64_t{1} << 18)) threads = 1;  // not worth waking a thread
-  ParallelFor(&pool, panels, threads - 1, &work, &MatmulWork::Run);
+  ParallelFor(&pool, work.Items(), threads - 1, &work, &MatmulWork::Run);
+  if (gated && !work.FusesGate()) GatedRows(p, sums.data(), sums.data() + p.n / 2, p.n, 0, p.m, 0, p.n / 2);
   return ffi::Error::Success();
 }
 
 ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return Guarded([&] { return StackedMatmulBody(pool, x, w, layer, y); });
+                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y, int32_t act) {
+  return Guarded([&] { return StackedMatmulBody(pool, x, w, layer, y, act); });
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -1389,7 +1513,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmul, StackedMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] f32, or bf16 under bf16 w
                                   .Arg<ffi::AnyBuffer>()  // w [L, K, N] f32 or bf16
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Ret<ffi::AnyBuffer>()  // y [M, N] f32; gated: [M, N/2] f32 or bf16
+                                  .Attr<int32_t>("act"));  // -1: none; gated: 0 SiLU, 1 GELU (tanh)
 
 // Let the loader (pallas_kernels/native.py) check that the library matches the Python side and
 // was built from this very source (the build passes -DFERRY_SOURCE_HASH=<sha256 prefix>).
@@ -1401,7 +1526,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmul, StackedMatmulImpl,
 #ifndef FERRY_JAXLIB_VERSION
 #define FERRY_JAXLIB_VERSION "unknown"
 #endif
-extern "C" int FerryPagedAttentionAbiVersion() { return 3; }
+extern "C" int FerryPagedAttentionAbiVersion() { return 4; }
 extern "C" const char* FerryPagedAttentionSourceHash() { return FERRY_SOURCE_HASH; }
 extern "C" const char* FerryPagedAttentionJaxlibVersion() { return FERRY_JAXLIB_VERSION; }
 
