@@ -10,6 +10,8 @@ request generates exactly its output length:
   ferry-nocache  the same with prefix caching off (--workload=shared_prefix or multi_turn: the gain).
   ferry-unrolled the same with the decoder layers unrolled (EngineConfig.scan_layers=False).
   ferry-kv-bf16  the same with a bfloat16 KV cache (EngineConfig.kv_dtype; under a float32 model).
+  ferry@F=V[@F=V...]  the same with EngineConfig fields set (a Python literal, else a string), to A/B any
+                 setting side by side: ferry@max_num_batched_tokens=2048, ferry@kv_dtype=bfloat16.
   ferry-static   the same engine fed --static_batch requests at a time; the next batch starts only
                  when all of the previous one are done (request-level batching, no joins mid-batch).
   transformers   `model.generate` on left-padded batches of --static_batch prompts, max_new_tokens =
@@ -55,6 +57,7 @@ directly. --model=DIR runs a Hugging Face (or, without transformers, a Ferry) ch
         --num_prompts=200 --json_out=throughput.json
 """
 
+import ast
 import dataclasses
 import json
 import os
@@ -104,7 +107,8 @@ flags.DEFINE_integer("vocab", 32000, "random model: vocabulary size")
 flags.DEFINE_integer("intermediate", 1024, "random model: MLP intermediate size")
 # backends
 flags.DEFINE_enum("backend", "ferry", BACKENDS, "the backend to run (without --compare)")
-flags.DEFINE_list("compare", None, f"run several backends, interleaved: any of {','.join(BACKENDS)}")
+flags.DEFINE_list("compare", None, f"run several backends, interleaved: any of {','.join(BACKENDS)}, or "
+                  "ferry@field=value[@field=value] (EngineConfig fields set)")
 flags.DEFINE_integer("repeats", 3, "timed runs per backend (round-robin over the backends)")
 flags.DEFINE_integer("static_batch", 16, "requests per batch for ferry-static and transformers")
 flags.DEFINE_bool("static_sort", False, "sort requests by prompt length before cutting static batches")
@@ -500,18 +504,38 @@ def engine_config(requests: list[bc.BenchRequest]) -> EngineConfig:
                         kv_dtype=FLAGS.kv_dtype)
 
 
+# The named Ferry variants: each is the engine under other EngineConfig settings, as ferry@field=value spells
+# any other.
+FERRY_VARIANTS = {"ferry": "", "ferry-sync": "async_scheduling=False", "ferry-nocache": "enable_prefix_caching=False",
+                  "ferry-unrolled": "scan_layers=False", "ferry-kv-bf16": "kv_dtype=bfloat16"}
+
+
+def is_variant(name: str) -> bool:
+    return name in FERRY_VARIANTS or name.startswith("ferry@")
+
+
+def config_variant(name: str, config: EngineConfig) -> EngineConfig:
+    """A Ferry variant's name -> `config` with its EngineConfig fields replaced: a name of FERRY_VARIANTS, or
+    "ferry@field=value@..." with each value a Python literal (2048, 0.5, False, None), else the string."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    settings = FERRY_VARIANTS.get(name, name.partition("@")[2])
+    changes = {}
+    for item in filter(None, settings.split("@")):
+        field, eq, text = item.partition("=")
+        if not eq or field not in fields:
+            raise app.UsageError(f"{name}: each @ takes an EngineConfig field=value ({item!r}); fields: "
+                                 f"{', '.join(sorted(fields))}")
+        try:
+            changes[field] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            changes[field] = text
+    return dataclasses.replace(config, **changes)
+
+
 def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: EngineConfig,
                  requests: list[bc.BenchRequest], scratch: str):
-    if name == "ferry":
-        return FerryBackend(name, model, config, batch_size=None)
-    if name == "ferry-sync":
-        return FerryBackend(name, model, dataclasses.replace(config, async_scheduling=False), batch_size=None)
-    if name == "ferry-nocache":
-        return FerryBackend(name, model, dataclasses.replace(config, enable_prefix_caching=False), batch_size=None)
-    if name == "ferry-unrolled":
-        return FerryBackend(name, model, dataclasses.replace(config, scan_layers=False), batch_size=None)
-    if name == "ferry-kv-bf16":
-        return FerryBackend(name, model, dataclasses.replace(config, kv_dtype="bfloat16"), batch_size=None)
+    if is_variant(name):
+        return FerryBackend(name, model, config_variant(name, config), batch_size=None)
     if name == "ferry-static":
         return FerryBackend(name, model, config, batch_size=FLAGS.static_batch)
     if name == "vllm":
@@ -551,7 +575,7 @@ def time_backends(backends, requests) -> dict:
 def time_single_request(backends, vocab_size: int) -> dict:
     """Ferry, transformers and vLLM, one request each, interleaved over the repeats; medians."""
     prompt = single_request_prompt(vocab_size)
-    chosen = [b for b in backends if b.name in SINGLE_BACKENDS]
+    chosen = [b for b in backends if b.name in SINGLE_BACKENDS or b.name.startswith("ferry@")]
     raw = {b.name: [] for b in chosen}
     for rep in range(FLAGS.repeats):
         for b in rotated(chosen, rep):
@@ -622,9 +646,11 @@ def print_report(summary: dict, results: dict, ratios: dict, single: dict | None
 def main(argv):
     del argv
     names = FLAGS.compare or [FLAGS.backend]
-    unknown = set(names) - set(BACKENDS)
+    unknown = {n for n in names if n not in BACKENDS and not is_variant(n)}
     if unknown or len(set(names)) != len(names):
-        raise app.UsageError(f"--compare takes distinct names from {BACKENDS}, got {names}")
+        raise app.UsageError(f"--compare takes distinct names from {BACKENDS} or ferry@field=value, got {names}")
+    for name in filter(is_variant, names):
+        config_variant(name, EngineConfig())  # a bad field fails now, not after the model is built
     names, skipped = available_backends(names)
     if FLAGS.workload == "multi_turn" and set(names) - {"ferry", "ferry-nocache"}:
         raise app.UsageError("--workload=multi_turn runs only the ferry and ferry-nocache backends")

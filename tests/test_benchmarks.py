@@ -202,6 +202,14 @@ def test_plots(results):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
+def test_throughput_rejects_an_unknown_setting_before_building_anything():
+    """ferry@field=value (the named variants' route too) checks its fields before any model is built."""
+    proc = _start("benchmark_throughput.py", compare="ferry,ferry@max_num_batched_tokenz=64")
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "max_num_batched_tokenz" in output, output[-3000:]
+    assert "Writing model shards" not in output and "start-up took" not in output, output[-3000:]
+
+
 def test_throughput_prefix_workloads_cache_on_and_off(tmp_path):
     """The multi-turn chat workload (over a shared system prompt), prefix caching on and off in one run:
     both complete every request with no compilation after warm-up; only the cached one hits."""
