@@ -232,7 +232,8 @@ def test_prefill_of_one_token_chunks_is_decode(seed, prefill_tiles):
     qsl = jnp.arange(len(ctx) + 1, dtype=jnp.int32)
     dec = paged_decode_attention_native(q, k, v, tables, lens, scale=0.125)
     pre = paged_prefill_attention_native(q, k, v, tables, lens, qsl, scale=0.125)
-    np.testing.assert_allclose(np.asarray(pre), np.asarray(dec), rtol=1e-6, atol=1e-6,
+    # The GEMM tiles sum each score over d in order, the decode tiles in 8-wide partial sums: a few ulp.
+    np.testing.assert_allclose(np.asarray(pre), np.asarray(dec), rtol=1e-5, atol=1e-5,
                                err_msg=f"seed={seed}")
 
 
