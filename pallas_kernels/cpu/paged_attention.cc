@@ -760,8 +760,8 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer pages, ffi::AnyBuffer updates, ffi::Buffer
 // Work items are panels of kPanelCols output columns; each runs over all rows, kRowBlock rows at
 // a time, so a panel of w (K x 64 floats) comes from memory once and from L2 for the next rows.
 constexpr int64_t kPanelCols = 64;
-// A bf16-dot work item packs kPairPanels adjacent panels in one pass over w's rows, reading 128 * kPairPanels
-// contiguous bytes of each: one panel's 128-byte runs (rows N * 2 bytes apart) streamed at ~6 GB/s a
+// An AVX-512 work item packs kPairPanels adjacent panels in one pass over w's rows. For bf16 dot products,
+// reading 128 * kPairPanels contiguous bytes of each: one panel's 128-byte runs (rows N * 2 bytes apart) streamed at ~6 GB/s a
 // thread here, two panels' 256-byte runs at over twice that (measured: a [512, 4096] layer 0.51 -> 0.23 ms
 // at 4 rows, 0.74 -> 0.54 at 64, with the activation).
 constexpr int64_t kPairPanels = 2;
@@ -939,19 +939,25 @@ FERRY_AVX512 void MatmulTileAvx512(const Matmul& p, const float* w, int64_t ldw,
 // gated panel pair's scratch.
 using MatmulTileFn = void (*)(const Matmul&, const float*, int64_t, int64_t, __mmask16, float*, int64_t);
 
-// w's [K, vectors * 16] panel at `w` (rows ldw apart) -> `packed` [K, kPanelCols] float32, read once
-// from memory with prefetch. Packed, the next row blocks read it contiguously: unpacked, rows 4 KiB
-// apart (N = 1024) all land in the same cache sets and the panel falls out of L1 and L2.
+// Panels [0, cols) of w (rows ldw apart; cols <= kPairPanels * kPanelCols) -> `packed` float32, panel g
+// [K, kPanelCols] at g * panel_stride, read once from memory in one pass with prefetch. Packed, the next
+// row blocks read a panel contiguously: unpacked, rows 4 KiB apart (N = 1024) all land in the same
+// cache sets and the panel falls out of L1 and L2.
 template <typename W>
-FERRY_AVX512 void PackPanelAvx512(const W* w, int64_t ldw, int64_t k_rows, int64_t vectors,
-                                  __mmask16 tail, float* packed) {
+FERRY_AVX512 void PackPanelsAvx512(const W* w, int64_t ldw, int64_t k_rows, int64_t cols, float* packed,
+                                   int64_t panel_stride) {
+  const int64_t count = (cols + kPanelCols - 1) / kPanelCols;
   for (int64_t k = 0; k < k_rows; ++k, w += ldw, packed += kPanelCols) {
-    for (int64_t v = 0; v < vectors; ++v)
-      _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * ldw + 16 * v),
-                   _MM_HINT_T0);
-    for (int64_t v = 0; v < vectors - 1; ++v)
-      _mm512_storeu_ps(packed + 16 * v, LoadWeights(w + 16 * v, static_cast<__mmask16>(0xFFFF)));
-    _mm512_storeu_ps(packed + 16 * (vectors - 1), LoadWeights(w + 16 * (vectors - 1), tail));
+    for (int64_t b = 0; b < cols * static_cast<int64_t>(sizeof(W)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * ldw) + b, _MM_HINT_T0);
+    for (int64_t g = 0; g < count; ++g) {
+      const int64_t panel_cols = std::min(kPanelCols, cols - g * kPanelCols);
+      const int64_t vectors = (panel_cols + 15) / 16;
+      const __mmask16 tail = static_cast<__mmask16>((1u << (panel_cols - 16 * (vectors - 1))) - 1u);
+      for (int64_t v = 0; v < vectors; ++v)
+        _mm512_storeu_ps(packed + g * panel_stride + 16 * v,
+                         LoadWeights(w + g * kPanelCols + 16 * v, v == vectors - 1 ? tail : static_cast<__mmask16>(0xFFFF)));
+    }
   }
 }
 
@@ -1005,38 +1011,41 @@ void MatvecChunk(const Matmul& p, int64_t n0, MatvecRowsFn full, MatvecRowsFn re
   if (k0 < p.k) rest(p, n0, vectors, tail, k0, static_cast<int>(p.k - k0));
 }
 
+// Columns [n0, n0 + kPairPanels * kPanelCols) of the result (gated: of act(gate) * up, the gate's panels
+// at n0 and the up's at I + n0).
 template <typename W>
-void MatmulPanelAvx512(const Matmul& p, int64_t n0) {
-  const int64_t cols = std::min(kPanelCols, p.OutCols() - n0);
-  const int64_t vectors = (cols + 15) / 16;
-  const int64_t tail_cols = cols - 16 * (vectors - 1);
-  const __mmask16 tail = static_cast<__mmask16>((1u << tail_cols) - 1u);
-  Scratch& sc = ThreadScratch();
-  const int halves = p.act >= 0 ? 2 : 1;  // gated: the gate panel at n0 and the up panel at I + n0
-  const float* w[2] = {nullptr, nullptr};
-  int64_t ldw = p.n;
+void MatmulPanelsAvx512(const Matmul& p, int64_t n0) {
+  const int64_t cols = std::min(kPairPanels * kPanelCols, p.OutCols() - n0);
+  const int64_t count = (cols + kPanelCols - 1) / kPanelCols, stride = p.k * kPanelCols;
+  const int halves = p.act >= 0 ? 2 : 1;
   // Packed when several row blocks read the panel, and always from bfloat16 (the tiles read float32).
-  if (p.m > kRowBlock || !std::is_same_v<W, float>) {
-    if (static_cast<int64_t>(sc.panel.size()) < halves * p.k * kPanelCols) sc.panel.resize(halves * p.k * kPanelCols);
-    for (int h = 0; h < halves; ++h) {
-      w[h] = sc.panel.data() + h * p.k * kPanelCols;
-      PackPanelAvx512(p.Weights<W>() + n0 + h * p.n / 2, p.n, p.k, vectors, tail, sc.panel.data() + h * p.k * kPanelCols);
-    }
-    ldw = kPanelCols;
-  } else {
-    for (int h = 0; h < halves; ++h) w[h] = p.Weights<float>() + n0 + h * p.n / 2;
+  const bool pack = p.m > kRowBlock || !std::is_same_v<W, float>;
+  std::vector<float>& panel = ThreadScratch().panel;
+  if (pack) {
+    if (static_cast<int64_t>(panel.size()) < halves * count * stride) panel.resize(halves * count * stride);
+    for (int h = 0; h < halves; ++h)
+      PackPanelsAvx512(p.Weights<W>() + n0 + h * p.n / 2, p.n, p.k, cols, panel.data() + h * count * stride,
+                       stride);
   }
-  const bool pack = ldw == kPanelCols;
-  for (int64_t r0 = 0; r0 < p.m; r0 += kRowBlock) {
-    const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
-    const MatmulTileFn tile = kMatmulTiles[!pack][rows - 1][vectors - 1];
-    if (halves == 1) {
-      tile(p, w[0], ldw, r0, tail, p.y + r0 * p.n + n0, p.n);
-    } else {
-      float sums[2][kRowBlock * kPanelCols];
-      tile(p, w[0], ldw, r0, tail, sums[0], kPanelCols);
-      tile(p, w[1], ldw, r0, tail, sums[1], kPanelCols);
-      GatedRows(p, sums[0], sums[1], kPanelCols, r0, rows, n0, cols);
+  const int64_t ldw = pack ? kPanelCols : p.n;
+  for (int64_t g = 0; g < count; ++g) {
+    const int64_t c0 = n0 + g * kPanelCols, panel_cols = std::min(kPanelCols, cols - g * kPanelCols);
+    const int64_t vectors = (panel_cols + 15) / 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (panel_cols - 16 * (vectors - 1))) - 1u);
+    const float* w[2];  // the gate's and the up's, when gated
+    for (int h = 0; h < halves; ++h)
+      w[h] = pack ? panel.data() + (h * count + g) * stride : p.Weights<float>() + c0 + h * p.n / 2;
+    for (int64_t r0 = 0; r0 < p.m; r0 += kRowBlock) {
+      const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
+      const MatmulTileFn tile = kMatmulTiles[!pack][rows - 1][vectors - 1];
+      if (halves == 1) {
+        tile(p, w[0], ldw, r0, tail, p.y + r0 * p.n + c0, p.n);
+      } else {
+        float sums[2][kRowBlock * kPanelCols];
+        tile(p, w[0], ldw, r0, tail, sums[0], kPanelCols);
+        tile(p, w[1], ldw, r0, tail, sums[1], kPanelCols);
+        GatedRows(p, sums[0], sums[1], kPanelCols, r0, rows, c0, panel_cols);
+      }
     }
   }
 }
@@ -1383,7 +1392,7 @@ struct MatmulWork {
   bool avx512;
   bool matvec;  // avx512 and one row: kMatvecCols columns an item
   bool dpbf16;  // bf16 x and w on AVX512-BF16: MatmulPanelDpbf16
-  int64_t PanelCols() const { return matvec ? kMatvecCols : dpbf16 ? kPairPanels * kPanelCols : kPanelCols; }
+  int64_t PanelCols() const { return matvec ? kMatvecCols : avx512 ? kPairPanels * kPanelCols : kPanelCols; }
   // The AVX-512 panels apply a gated activation per panel pair; the other paths leave every sum in
   // y for one pass afterwards.
   bool FusesGate() const { return avx512 && !matvec; }
@@ -1405,8 +1414,8 @@ struct MatmulWork {
     }
     if (w->dpbf16) return MatmulPanelsDpbf16(*w->problem, panel * kPairPanels * kPanelCols);
     if (w->avx512)
-      return w->bf16 ? MatmulPanelAvx512<uint16_t>(*w->problem, panel * kPanelCols)
-                     : MatmulPanelAvx512<float>(*w->problem, panel * kPanelCols);
+      return w->bf16 ? MatmulPanelsAvx512<uint16_t>(*w->problem, panel * kPairPanels * kPanelCols)
+                     : MatmulPanelsAvx512<float>(*w->problem, panel * kPairPanels * kPanelCols);
 #endif
     if (w->bf16) return MatmulPanelGenericBf16(*w->problem, panel * kPanelCols);
     MatmulPanelGenericF32(*w->problem, panel * kPanelCols);
