@@ -298,8 +298,9 @@ def test_build_from_source_and_stale_check(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- stacked matmul
 
 STACKED_MATMUL_SHAPES = [  # (M, K, N): odd sizes, one row (1024-column chunks, 8 rows of w at a time, and
-    # their tails), panels of 64 columns and their tails
-    (1, 1, 1), (1, 576, 1728), (1, 37, 1050), (5, 33, 70), (7, 129, 17), (16, 256, 1024), (13, 100, 129), (70, 64, 200)]
+    # their tails; N = 520 in narrower chunks, one a thread), panels of 64 columns and their tails
+    (1, 1, 1), (1, 576, 1728), (1, 37, 1050), (1, 1027, 520), (5, 33, 70), (7, 129, 17), (16, 256, 1024),
+    (13, 100, 129), (70, 64, 200)]
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,path", [

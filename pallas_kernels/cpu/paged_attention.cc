@@ -999,10 +999,9 @@ FERRY_AVX512 void MatvecRowsAvx512(const Matmul& p, int64_t n0, int64_t vectors,
 // Adds `rows` rows of w from k0 (times x's) into y[0, n0 : n0 + 16 * vectors].
 using MatvecRowsFn = void (*)(const Matmul&, int64_t n0, int64_t vectors, __mmask16 tail, int64_t k0, int rows);
 
-// y[0, n0 : n0 + kMatvecCols] for a one-row x: kMatvecRows rows of w at a time (`full`), then the rest
-// (`rest`).
-void MatvecChunk(const Matmul& p, int64_t n0, MatvecRowsFn full, MatvecRowsFn rest) {
-  const int64_t cols = std::min(kMatvecCols, p.n - n0);
+// y[0, n0 : n0 + width] for a one-row x: kMatvecRows rows of w at a time (`full`), then the rest (`rest`).
+void MatvecChunk(const Matmul& p, int64_t n0, int64_t width, MatvecRowsFn full, MatvecRowsFn rest) {
+  const int64_t cols = std::min(width, p.n - n0);
   const int64_t vectors = (cols + 15) / 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (cols - 16 * (vectors - 1))) - 1u);
   if (p.k == 0) return std::fill(p.y + n0, p.y + n0 + cols, 0.0f);
@@ -1390,9 +1389,10 @@ struct MatmulWork {
   const Matmul* problem;
   bool bf16;    // the weights are bfloat16
   bool avx512;
-  bool matvec;  // avx512 and one row: kMatvecCols columns an item
+  bool matvec;  // avx512 and one row: matvec_cols columns an item
   bool dpbf16;  // bf16 x and w on AVX512-BF16: MatmulPanelDpbf16
-  int64_t PanelCols() const { return matvec ? kMatvecCols : avx512 ? kPairPanels * kPanelCols : kPanelCols; }
+  int64_t matvec_cols = kMatvecCols;
+  int64_t PanelCols() const { return matvec ? matvec_cols : avx512 ? kPairPanels * kPanelCols : kPanelCols; }
   // The AVX-512 panels apply a gated activation per panel pair; the other paths leave every sum in
   // y for one pass afterwards.
   bool FusesGate() const { return avx512 && !matvec; }
@@ -1405,11 +1405,11 @@ struct MatmulWork {
 #ifdef FERRY_HAVE_AVX512_MATMUL
     if (w->matvec) {
       if (w->dpbf16)
-        return MatvecChunk(*w->problem, panel * kMatvecCols, &Dpbf16MatvecRows<kMatvecRows>, &Dpbf16MatvecRows<0>);
+        return MatvecChunk(*w->problem, panel * w->matvec_cols, w->matvec_cols, &Dpbf16MatvecRows<kMatvecRows>, &Dpbf16MatvecRows<0>);
       if (w->bf16)
-        return MatvecChunk(*w->problem, panel * kMatvecCols, &MatvecRowsAvx512<kMatvecRows, uint16_t>,
+        return MatvecChunk(*w->problem, panel * w->matvec_cols, w->matvec_cols, &MatvecRowsAvx512<kMatvecRows, uint16_t>,
                            &MatvecRowsAvx512<0, uint16_t>);
-      return MatvecChunk(*w->problem, panel * kMatvecCols, &MatvecRowsAvx512<kMatvecRows, float>,
+      return MatvecChunk(*w->problem, panel * w->matvec_cols, w->matvec_cols, &MatvecRowsAvx512<kMatvecRows, float>,
                          &MatvecRowsAvx512<0, float>);
     }
     if (w->dpbf16) return MatmulPanelsDpbf16(*w->problem, panel * kPairPanels * kPanelCols);
@@ -1466,7 +1466,7 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
       p.x = widened.data();
     }
   }
-  const MatmulWork work{&p, bf16, avx512, matvec, dpbf16};
+  MatmulWork work{&p, bf16, avx512, matvec, dpbf16};
   std::vector<float> sums;  // gated, on the paths that do not fuse it: every sum, then one pass
   if (gated && !work.FusesGate()) {
     sums.resize(p.m * p.n);
@@ -1476,6 +1476,9 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   const int env = MaxThreadsFromEnv();
   if (env > 0) threads = std::min<int64_t>(threads, env);
   if (p.m * p.k * p.n < (int64_t{1} << 18)) threads = 1;  // not worth waking a thread
+  // One row, few columns (o_proj, down: N = hidden): narrower items, down to 256 columns, so every thread
+  // streams its share of w (one 1,024-column item left the other thread idle: 9 GB/s for [2048, 512]).
+  while (matvec && work.matvec_cols > 256 && work.Items() < threads) work.matvec_cols /= 2;
   ParallelFor(&pool, work.Items(), threads - 1, &work, &MatmulWork::Run);
   if (gated && !work.FusesGate()) GatedRows(p, sums.data(), sums.data() + p.n / 2, p.n, 0, p.m, 0, p.n / 2);
   return ffi::Error::Success();
