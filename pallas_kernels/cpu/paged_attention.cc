@@ -96,14 +96,13 @@ FERRY_INLINE float ToF32(uint16_t x) { return Bf16ToF32(x); }
 FERRY_INLINE void FromF32(float x, float* dst) { *dst = x; }
 FERRY_INLINE void FromF32(float x, uint16_t* dst) { *dst = F32ToBf16(x); }
 
-// exp(x) for x <= 0 (scores minus their running max): Cephes-style range reduction and a
+// exp(x) for x in [-87, 88] (float32 neither under- nor overflows): Cephes-style range reduction and a
 // degree-6 polynomial, ~2 ulp, written without calls or branches so the loops using it vectorise.
-FERRY_INLINE float ExpNonPositive(float x) {
+FERRY_INLINE float ExpInRange(float x) {
   const float kLog2e = 1.44269504088896341f;
   const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float xc = x < -87.0f ? -87.0f : x;
-  float n = (xc * kLog2e + kRound) - kRound;
-  float r = xc - n * 0.693359375f;
+  const float n = (x * kLog2e + kRound) - kRound;
+  float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -111,13 +110,21 @@ FERRY_INLINE float ExpNonPositive(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  float y = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  y *= scale;
+  return y * scale;
+}
+
+// exp(x) for x <= 0 (scores minus their running max): 0 below -87.
+FERRY_INLINE float ExpNonPositive(float x) {
+  const float y = ExpInRange(x < -87.0f ? -87.0f : x);
   return x < -87.0f ? 0.0f : y;
 }
+
+// exp(x) for any x, clamped into [-87, 88].
+FERRY_INLINE float ExpClamped(float x) { return ExpInRange(x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x)); }
 
 // tanh(x) (Cephes tanhf): an odd polynomial near 0, (1 - e) / (1 + e) with e = exp(-2|x|) beyond;
 // both sides are computed and one selected, so loops using it vectorise.
@@ -813,26 +820,6 @@ FERRY_CLONES void MatmulPanelGenericF32(const Matmul& p, int64_t n0) { MatmulPan
 
 // ----------------------------------------------------------------------------- gated activation
 
-// exp(x) for any x (clamped into [-87, 88], beyond which float32 under/overflows): ExpNonPositive's
-// reduction and polynomial, branch-free so the loops using it vectorise.
-FERRY_INLINE float ExpClamped(float x) {
-  const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
 // out[r, j] = act(gate[r, j]) * up[r, j] for `rows` rows of `cols` sums (rows ld apart). A bfloat16 out
 // rounds as a bfloat16 model's elementwise ops do (Hugging Face's act_fn(gate_proj(x)) * up_proj(x)):
 // gate and up rounded, act in float32 rounded, the product rounded. act 0: SiLU; 1: GELU (tanh).
@@ -1201,7 +1188,7 @@ bool UseAvx512Matmul() {  // FERRY_NATIVE_MATMUL_GENERIC=1 forces the portable l
 //   acc[m] = acc[m] * alpha[m] + sum_t P^T[t][m] * V[t]
 // K and V rows are widened to float32 16 at a time (they are read once per tile, as before).
 
-// exp(x) for x <= 0 or -inf: ExpNonPositive's reduction and polynomial, 16 lanes.
+// exp(x) for x <= 0 or -inf: ExpInRange's reduction and polynomial, 16 lanes (ExpNonPositive's bits).
 FERRY_AVX512 FERRY_INLINE __m512 Exp512NonPositive(__m512 x) {
   const __mmask16 all = 0xFFFF;  // zero-masked forms: see LoadBf16Lanes
   const __m512 xc = _mm512_maskz_max_ps(all, x, _mm512_set1_ps(-87.0f));
