@@ -66,18 +66,21 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Linear):
-    """nnx.Linear, or inside the scanned layers on CPU (Transformer.scan_layers, in_place_kernels)
-    one layer of a stack: the kernel is the whole [num_layers, in, out] parameter and `layer` the
-    scan's index, and the native stacked matmul reads that layer's weights where they lie."""
+    """nnx.Linear, or inside the scanned layers on CPU (Transformer.scan_layers, pack_layer_kernels) one
+    layer of a packed stack: the kernel is the whole [num_layers, ...] parameter in native.pack_stacked's
+    layout and `layer` the scan's index, and the native stacked matmul reads that layer's panels where
+    they lie."""
 
-    layer = None  # int32 [] while the kernel is a stack; set by scan_layers
+    layer = None  # int32 [] while the kernel is a packed stack; set by scan_layers
+    column_groups = 1  # the kernel's equal column parts (a fused [gate | up]: 2), each packed apart
 
     def __call__(self, x):
         kernel = self.kernel[...]
         if kernel.ndim == 2:
             y = matmul(x.astype(self.dtype), kernel)
         else:  # float32 sums, rounded once to the model's dtype as `matmul` does
-            y = native.stacked_matmul(x.astype(self.dtype), kernel, self.layer).astype(self.dtype)
+            y = native.stacked_matmul(x.astype(self.dtype), kernel, self.layer, n=self.out_features,
+                                      groups=self.column_groups).astype(self.dtype)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -104,28 +107,45 @@ def _linear(cfg_in, cfg_out, bias, dtype, rngs):
                   kernel_init=_INIT, rngs=rngs)
 
 
-# float32: decode steps of at most this many rows run the scanned layers' linears with the native
-# stacked matmul on CPU; prefill steps keep XLA's dot, over which its per-layer weight copy is amortised.
-# Measured (notes issue 12): the kernel at least matches copy + library dot from 1 to 256 rows
-# (K, N 256..2048), and is 1.3-1.6x faster at 16 rows; decode CPU time per step at SmolLM2-135M's
-# shape went from +40% to -4% against per-layer arrays.
-IN_PLACE_KERNEL_MAX_ROWS = 256
-
-
-def in_place_kernels(num_rows: int, dtype, decode: bool) -> bool:
-    """Whether a step of `num_rows` rows should read the scanned layers' kernels in place (see Linear):
-    CPU, the native library built, no tensor parallelism, and float32 weights in a decode step of few
-    rows, or bfloat16 weights in any step. XLA CPU widens a scanned bf16 stack to float32 whole on every
-    step: 8 layers of [512, 4096] took 41-55 ms that way at 64-512 rows, the kernel 8.4-43 ms."""
-    if jax.default_backend() != "cpu" or model_axis_size() != 1 or not native.available():
+def packs_layer_kernels(dtype, tensor_parallel_size: int) -> bool:
+    """Whether the scanned layers' linears run on packed kernels (pack_layer_kernels): CPU, the native
+    library built, no tensor parallelism (XLA partitions their dots), float32 or bfloat16 weights. XLA CPU widens a scanned bf16 stack
+    to float32 whole on every step (8 layers of [512, 4096] took 41-55 ms that way at 64-512 rows, the
+    kernel 8.4-43 ms) and copies each layer's slice of a float32 stack; the kernel also beats XLA's dot on
+    float32 prefill rows: a [512, 4096] layer with its gate at 512 rows 4.97 against 5.17 ms (the dot
+    plus the copy), [2048, 512] 2.50 against 2.65 (notes, session 12)."""
+    if jax.default_backend() != "cpu" or tensor_parallel_size != 1 or not native.available():
         return False
-    if jnp.dtype(dtype) == jnp.bfloat16:
-        return True
-    return jnp.dtype(dtype) == jnp.float32 and decode and num_rows <= IN_PLACE_KERNEL_MAX_ROWS
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def pack_layer_kernels(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
+    """A scanned model's state with its layers' linear kernels [L, K, N] replaced by their packed form
+    (native.pack_stacked), which only the native stacked matmul reads: call it where
+    packs_layer_kernels(dtype) holds. `state` itself is left as it was (it may serve other engines); the
+    kernels are packed one at a time, and already packed ones kept."""
+    groups = {path + ("kernel",): module.column_groups
+              for path, module in nnx.iter_modules(nnx.merge(graphdef, state))
+              if isinstance(module, Linear) and path[:1] == ("layers",)}
+    pack = jax.jit(native.pack_stacked, static_argnums=1)
+
+    def packed(path, leaf):
+        names = tuple(getattr(key, "key", getattr(key, "name", None)) for key in path)
+        names = names[:-1] if names[-1] == "value" else names
+        if names not in groups or leaf.ndim != 3:
+            return leaf
+        return pack(leaf, groups[names])
+
+    return jax.tree_util.tree_map_with_path(packed, state)
 
 
 def _is_kernel(path, _value) -> bool:
     return path[-1] == "kernel"
+
+
+def layer_kernels_packed(layers) -> bool:
+    """Whether a Transformer's layers hold packed kernels (pack_layer_kernels)."""
+    return not isinstance(layers, nnx.List) and layers.mlp.down_proj.kernel[...].ndim == 4
 
 
 def rope_cos_sin(inv_freq, positions, dtype):
@@ -190,17 +210,18 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs):
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = _linear(h, 2 * i, cfg.mlp_bias, dtype, rngs)
+        self.gate_up_proj.column_groups = 2
         self.down_proj = _linear(i, h, cfg.mlp_bias, dtype, rngs)
         self.gelu = cfg.hidden_act == "gelu_tanh"
         self.intermediate_size = i
 
     def __call__(self, x):
         act, proj = ("gelu_tanh" if self.gelu else "silu"), self.gate_up_proj
-        if proj.kernel[...].ndim == 3 and proj.bias is None:
-            # A stacked kernel (scanned layers on CPU): the activation runs in the matmul's panels, with
+        if proj.kernel[...].ndim == 4 and proj.bias is None:
+            # A packed stack (scanned layers on CPU): the activation runs in the matmul's panels, with
             # no float32 [tokens, 2I] round trip through memory (a tenth of a bf16 prefill step).
-            hidden = native.stacked_matmul(x.astype(proj.dtype), proj.kernel[...], proj.layer, gated=act,
-                                           dtype=proj.dtype)
+            hidden = native.stacked_matmul(x.astype(proj.dtype), proj.kernel[...], proj.layer,
+                                           n=proj.out_features, groups=2, gated=act, dtype=proj.dtype)
         else:
             hidden = native.gate_product(*split_fused(proj(x), (self.intermediate_size,) * 2), act)
         return self.down_proj(hidden)
@@ -277,9 +298,8 @@ class Transformer(nnx.Module):
 
         # The cache rides in the carry as one pool of every layer's pages: each layer scatters into
         # it and its kernel reads it in place (a per-layer slice would copy the layer's pages).
-        in_place = in_place_kernels(x.shape[0], self.dtype, md.decode)
         x, k_pool, v_pool = self.scan_layers(layer_step, (x, layer_pool(k_pages), layer_pool(v_pages)),
-                                             jnp.arange(cfg.num_layers), kernels_in_place=in_place)
+                                             jnp.arange(cfg.num_layers))
         new_cache = (k_pool.reshape(k_pages.shape), v_pool.reshape(v_pages.shape))
         x = self.norm(x[logits_indices])  # only the rows we sample from (RMSNorm is per token)
         if cfg.tie_word_embeddings:
@@ -297,7 +317,7 @@ class Transformer(nnx.Module):
         return logits, new_cache
 
 
-    def scan_layers(self, fn, carry, xs=None, *, kernels_in_place: bool = False):
+    def scan_layers(self, fn, carry, xs=None):
         """`carry` through every layer in order, one traced layer (jax.lax.scan):
         fn(layer, carry, x) -> carry, where layer is a DecoderLayer holding that layer's parameters
         and x that layer's slice of `xs` (None: nothing). Per-layer modules (scan=False) run unrolled.
@@ -305,14 +325,17 @@ class Transformer(nnx.Module):
         The scan's slice of a stacked array is a copy on XLA CPU: its library dots (YNNPACK) take
         static slices only, so every step copied each layer's weights (decode CPU time +35..39% at
         SmolLM2-135M's 30 x 576, batch 16, against per-layer arrays; jaxlib 0.10.2 and 0.11.2 alike).
-        `kernels_in_place` (in_place_kernels(): CPU, float32 decode or bfloat16) keeps the linears' kernels
-        out of the scanned operands: the body closes over the whole stacks and each Linear's native
-        stacked matmul reads its layer where it lies. The small parameters (norms, biases) are
-        still sliced, and float32 prefill steps keep XLA's dots, over which the copy is amortised."""
+        Packed kernels (pack_layer_kernels: CPU, float32 or bfloat16) stay out of the scanned operands:
+        the body closes over the whole stacks and each Linear's native stacked matmul reads its layer
+        where it lies. The small parameters (norms, biases) are still sliced."""
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):
                 carry = fn(layer, carry, None if xs is None else xs[i])
             return carry
+        kernels_in_place = layer_kernels_packed(self.layers)
+        if kernels_in_place and model_axis_size() != 1:
+            raise ValueError("packed layer kernels (pack_layer_kernels) run on one device; tensor parallelism "
+                             "partitions the [num_layers, K, N] stacks")
         if kernels_in_place:
             graphdef, kernels, stacked = nnx.split(self.layers, _is_kernel, ...)
         else:

@@ -8,8 +8,9 @@
 take exactly the arguments of the references in pallas_kernels/reference.py and match them (float32
 and bfloat16, q and pages of one dtype, or float32 q over bfloat16 pages: a bf16 KV cache under a
 float32 model; GQA/MQA; any head_dim and block size; optional soft cap).
-`stacked_matmul(x, stacked_w, layer)` is x @ stacked_w[layer] (float32 or bfloat16 weights) reading that layer's weights in place
-(the scanned decoder layers' linears: XLA CPU copies a dynamic slice before its library dot).
+`stacked_matmul(x, packed, layer, n=N)` is x @ w[layer] for a [L, K, N] stack of weights (float32 or bfloat16)
+packed once by `pack_stacked`, reading that layer's panels in place (the scanned decoder layers'
+linears: XLA CPU copies a dynamic slice before its library dot).
 `kv_write(pages, updates, slot_mapping)` scatters one step's K or V rows into the pages in place (XLA
 CPU's own scatter into a 16-bit float cache rewrites every page). They run on the CPU backend only. `available()` says whether the library is loaded (and logs why
 not); callers fall back to the reference when it is False.
@@ -58,7 +59,7 @@ DECODE_TARGET = "ferry_paged_decode_attention"
 PREFILL_TARGET = "ferry_paged_prefill_attention"
 KV_WRITE_TARGET = "ferry_kv_write"
 STACKED_MATMUL_TARGET = "ferry_stacked_matmul"
-ABI_VERSION = 4  # FerryPagedAttentionAbiVersion() in the .cc
+ABI_VERSION = 5  # FerryPagedAttentionAbiVersion() in the .cc
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -326,41 +327,89 @@ def kv_write(pages, updates, slot_mapping):
 
 
 GATED_ACTIVATIONS = ("silu", "gelu_tanh")  # the kernel's act attribute: their index
+PANEL_COLS = 64  # kPanelCols in the .cc
 
 
-def stacked_matmul(x, stacked_w, layer, *, gated: str | None = None, dtype=jnp.float32):
-    """x [..., K] @ stacked_w[layer] -> [..., N], float32, for stacked_w [L, K, N] (float32, or bfloat16:
-    widened exactly as it is read, the sums in float32), x float32 (or bfloat16 under bfloat16 weights:
-    on a CPU with AVX512-BF16 its pairs of products go through the bf16 dot instruction, exact products
-    summed in float32) and an int32 scalar `layer` (clamped into [0, L) like a dynamic slice). The kernel
-    reads the layer's weights where they lie in the stack: under jax.lax.scan with the stack closed over
-    (not sliced by the scan), no per-step copy of a layer's weights.
-    Reference: jnp.dot(x.astype(float32), stacked_w[layer].astype(float32)).
+def packed_shape(num_layers: int, k: int, n: int, dtype, groups: int = 1) -> tuple[int, int, int, int]:
+    """pack_stacked's output shape for a [num_layers, K, N] stack: [L, P, KP, 64 * E] (see pack_stacked)."""
+    panels = groups * -(-(n // groups) // PANEL_COLS)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return num_layers, panels, (k + 1) // 2, 2 * PANEL_COLS
+    return num_layers, panels, k, PANEL_COLS
 
-    `gated` ("silu" or "gelu_tanh"): the columns are a fused [gate | up] projection and the result is
-    gated_activation(sums, dtype) [..., N / 2] in `dtype` (float32 or bfloat16), applied on AVX-512 to
-    each panel's sums while they are in cache (a bf16 MLP's float32 [M, 2I] round trip through memory
-    was a tenth of its prefill step)."""
+
+def pack_stacked(w, groups: int = 1):
+    """A stack of per-layer weights w [L, K, N] -> the panel-major layout stacked_matmul reads, once at
+    load (the weights then stream from memory contiguously, where packing per call read 64 columns of
+    every row of w: 6-13 GB/s a thread). `groups` equal parts of the columns (a fused [gate | up]: 2)
+    are each zero-padded to whole 64-column panels, so a gated call finds the up's panel at a fixed
+    offset from the gate's. [L, P, KP, 64 * E], panel p holding 64 columns over all of K:
+      float32: KP = K, [l, p, k, j] = w[l, k, c + j];
+      bfloat16: KP = ceil(K / 2), [l, p, k2, 2 j + h] = w[l, 2 k2 + h, c + j] (zero past K): the pairs of
+      rows a bf16 dot product instruction takes, one 32-bit lane per column."""
+    num_layers, k, n = w.shape
+    if n % groups:
+        raise ValueError(f"pack_stacked: N {n} does not split into {groups} equal parts")
+    part = n // groups
+    panels_per_part = -(-part // PANEL_COLS)
+    w = w.reshape(num_layers, k, groups, part)
+    w = jnp.pad(w, ((0, 0), (0, 0), (0, 0), (0, panels_per_part * PANEL_COLS - part)))
+    w = w.reshape(num_layers, k, groups * panels_per_part, PANEL_COLS)  # [L, K, P, 64]
+    if jnp.dtype(w.dtype) != jnp.bfloat16:
+        return w.transpose(0, 2, 1, 3)
+    w = jnp.pad(w, ((0, 0), (0, k % 2), (0, 0), (0, 0)))
+    w = w.reshape(num_layers, (k + 1) // 2, 2, groups * panels_per_part, PANEL_COLS)
+    return w.transpose(0, 3, 1, 4, 2).reshape(packed_shape(num_layers, k, n, w.dtype, groups))
+
+
+def unpack_stacked(packed, k: int, n: int, groups: int = 1):
+    """pack_stacked's inverse: the [L, K, N] stack."""
+    num_layers, panels = packed.shape[:2]
+    part = n // groups
+    if jnp.dtype(packed.dtype) == jnp.bfloat16:
+        w = packed.reshape(num_layers, panels, -1, PANEL_COLS, 2).transpose(0, 2, 4, 1, 3)
+        w = w.reshape(num_layers, -1, panels, PANEL_COLS)[:, :k]  # [L, K, P, 64]
+    else:
+        w = packed.transpose(0, 2, 1, 3)
+    w = w.reshape(num_layers, k, groups, -1)[..., :part]
+    return w.reshape(num_layers, k, n)
+
+
+def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | None = None,
+                   dtype=jnp.float32):
+    """x [..., K] @ w[layer] -> [..., n], float32, where packed_w = pack_stacked(w, groups) for w [L, K, n]
+    (float32, or bfloat16: widened exactly as it is read, the sums in float32), x float32 (or bfloat16
+    under bfloat16 weights: on a CPU with AVX512-BF16 its pairs of products go through the bf16 dot
+    instruction, exact products summed in float32) and an int32 scalar `layer` (clamped into [0, L) like
+    a dynamic slice). The kernel reads the layer's panels where they lie in the stack: under
+    jax.lax.scan with the stack closed over (not sliced by the scan), no per-step copy of a layer.
+    Reference: jnp.dot(x.astype(float32), w[layer].astype(float32)).
+
+    `gated` ("silu" or "gelu_tanh", groups 2): the columns are a fused [gate | up] projection and the
+    result is gated_activation(sums, dtype) [..., n / 2] in `dtype` (float32 or bfloat16), applied on
+    AVX-512 to each panel's sums while they are in cache (a bf16 MLP's float32 [M, 2I] round trip
+    through memory was a tenth of its prefill step)."""
     if not available():
         raise RuntimeError(f"native CPU stacked matmul unavailable: {unavailable_reason()}")
-    if stacked_w.dtype not in SUPPORTED_DTYPES or x.dtype not in {jnp.dtype(jnp.float32), stacked_w.dtype}:
+    if packed_w.dtype not in SUPPORTED_DTYPES or x.dtype not in {jnp.dtype(jnp.float32), packed_w.dtype}:
         raise ValueError(f"native stacked matmul takes float32 or bfloat16 weights and float32 x (or x of the "
-                         f"weights' dtype); got x {x.dtype}, stacked_w {stacked_w.dtype}")
-    if stacked_w.ndim != 3 or x.shape[-1] != stacked_w.shape[1]:
-        raise ValueError(f"native stacked matmul: x [..., K] and stacked_w [L, K, N] needed; got x "
-                         f"{x.shape}, stacked_w {stacked_w.shape}")
-    width = stacked_w.shape[2]
+                         f"weights' dtype); got x {x.dtype}, packed_w {packed_w.dtype}")
+    want = packed_shape(packed_w.shape[0], x.shape[-1], n, packed_w.dtype, groups) if packed_w.ndim == 4 else None
+    if tuple(packed_w.shape) != want or n % groups:
+        raise ValueError(f"native stacked matmul: packed_w must be pack_stacked(w [L, K, {n}], groups={groups}) "
+                         f"for x [..., K]; got x {x.shape}, packed_w {packed_w.shape}")
+    width = n
     if gated is not None:
-        if gated not in GATED_ACTIVATIONS or width % 2 or jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-            raise ValueError(f"native gated stacked matmul: act one of {GATED_ACTIVATIONS}, an even N and a "
-                             f"float32 or bfloat16 dtype needed; got {gated!r}, N {width}, {jnp.dtype(dtype)}")
+        if gated not in GATED_ACTIVATIONS or groups != 2 or jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"native gated stacked matmul: act one of {GATED_ACTIVATIONS}, groups 2 and a "
+                             f"float32 or bfloat16 dtype needed; got {gated!r}, groups {groups}, {jnp.dtype(dtype)}")
         width //= 2
     rows = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(STACKED_MATMUL_TARGET,
                             jax.ShapeDtypeStruct((rows.shape[0], width), dtype if gated else jnp.float32),
                             vmap_method="sequential")
-    y = call(rows, stacked_w, jnp.asarray(layer, jnp.int32).reshape(()),
-             act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)))
+    y = call(rows, packed_w, jnp.asarray(layer, jnp.int32).reshape(()),
+             act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)), groups=np.int32(groups))
     return y.reshape(*x.shape[:-1], width)
 
 

@@ -297,10 +297,23 @@ def test_build_from_source_and_stale_check(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- stacked matmul
 
-STACKED_MATMUL_SHAPES = [  # (M, K, N): odd sizes, one row (1024-column chunks, 8 rows of w at a time, and
-    # their tails; N = 520 in narrower chunks, one a thread), panels of 64 columns and their tails
-    (1, 1, 1), (1, 576, 1728), (1, 37, 1050), (1, 1027, 520), (5, 33, 70), (7, 129, 17), (16, 256, 1024),
-    (13, 100, 129), (70, 64, 200)]
+STACKED_MATMUL_SHAPES = [  # (M, K, N, groups): odd sizes, one row and many, odd K (a bf16 panel's last pair
+    # half empty), panels of 64 columns and their tails, and two column parts padded apart
+    (1, 1, 1, 1), (1, 576, 1728, 2), (1, 37, 1050, 1), (1, 1027, 520, 2), (5, 33, 70, 2), (7, 129, 17, 1),
+    (16, 256, 1024, 1), (13, 100, 129, 1), (70, 64, 200, 2)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pack_stacked_round_trips(seed, dtype):
+    """pack_stacked's panels hold every weight once, where unpack_stacked finds it, and zeros elsewhere
+    (the padding the tiles read past a part's last column and a bf16 panel's odd K)."""
+    rng = np.random.default_rng(seed)
+    for _, k, n, groups in STACKED_MATMUL_SHAPES:
+        w = jnp.asarray(rng.standard_normal((2, k, n)) + 3, dtype)  # no zero weights
+        packed = native.pack_stacked(w, groups)
+        assert packed.shape == native.packed_shape(2, k, n, dtype, groups)
+        np.testing.assert_array_equal(np.asarray(native.unpack_stacked(packed, k, n, groups)), np.asarray(w))
+        assert int((packed != 0).sum()) == w.size
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,path", [
@@ -310,33 +323,35 @@ STACKED_MATMUL_SHAPES = [  # (M, K, N): odd sizes, one row (1024-column chunks, 
     (jnp.bfloat16, jnp.bfloat16, "widened"), (jnp.bfloat16, jnp.bfloat16, "portable")],
     ids=["f32", "f32-portable", "bf16w", "bf16w-portable", "bf16", "bf16-widened", "bf16-portable"])
 def test_stacked_matmul_matches_dot(seed, x_dtype, w_dtype, path, monkeypatch):
-    """x @ w[layer] for every layer of a random stack (poisoned output buffer), out-of-range layers
-    clamped like a dynamic slice, the same bits on one thread as on the pool, and a row's bits the same
-    alone as in a batch. bfloat16 inputs: the float64 product of their exact float32 values."""
+    """x @ w[layer] for every layer of a random packed stack (poisoned output buffer), out-of-range
+    layers clamped like a dynamic slice, the same bits on one thread as on the pool, and a row's bits
+    the same alone as in a batch. bfloat16 inputs: the float64 product of their exact float32 values."""
     if path == "portable":
         monkeypatch.setenv("FERRY_NATIVE_MATMUL_GENERIC", "1")
     if path == "widened":
         monkeypatch.setenv("FERRY_NATIVE_MATMUL_NO_BF16_DOT", "1")
     rng = np.random.default_rng(seed)
-    for m, k, n in STACKED_MATMUL_SHAPES:
+    for m, k, n, groups in STACKED_MATMUL_SHAPES:
         num_layers = 3
         w = jnp.asarray(rng.standard_normal((num_layers, k, n)), w_dtype)
+        packed = native.pack_stacked(w, groups)
+        matmul = functools.partial(native.stacked_matmul, n=n, groups=groups)
         x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
         poison = jnp.zeros((m, n), jnp.float32)  # shape of the output, for run_poisoned
         for layer in [*range(num_layers), -1, num_layers]:
             ref = (np.asarray(x.astype(jnp.float32), np.float64)
                    @ np.asarray(w[min(max(layer, 0), num_layers - 1)].astype(jnp.float32), np.float64))
-            out = run_poisoned(lambda _, x, w, i: native.stacked_matmul(x, w, i), poison, x, w,
-                               jnp.int32(layer))
+            out = run_poisoned(lambda _, x, w, i: matmul(x, w, i), poison, x, packed, jnp.int32(layer))
             np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4 * np.sqrt(k),
-                                       err_msg=f"M,K,N={m, k, n} layer={layer} seed={seed}")
+                                       err_msg=f"M,K,N,groups={m, k, n, groups} layer={layer} seed={seed}")
         monkeypatch.setenv("FERRY_NATIVE_ATTENTION_THREADS", "1")
-        serial = native.stacked_matmul(x, w, 1)
+        serial = matmul(x, packed, 1)
         monkeypatch.delenv("FERRY_NATIVE_ATTENTION_THREADS")
-        np.testing.assert_array_equal(np.asarray(serial), np.asarray(native.stacked_matmul(x, w, 1)))
-        if m == 1:  # the one-row kernel sums as the panels do: a row's bits do not depend on the batch
-            pair = native.stacked_matmul(jnp.concatenate([x, x]), w, 1)
-            np.testing.assert_array_equal(np.asarray(serial)[0], np.asarray(pair)[1])
+        np.testing.assert_array_equal(np.asarray(serial), np.asarray(matmul(x, packed, 1)))
+        # Every row count sums in one order: a row's bits do not depend on the batch
+        batch = x if m > 1 else jnp.concatenate([x, x])
+        np.testing.assert_array_equal(np.asarray(matmul(batch[-1:], packed, 1))[0],
+                                      np.asarray(matmul(batch, packed, 1))[-1])
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,path", [
@@ -359,10 +374,12 @@ def test_gated_stacked_matmul_matches_its_parts(seed, x_dtype, w_dtype, path, ac
     moved = np.zeros(2, np.int64)  # bf16 outputs that differ, outputs
     for m, k, half in [(1, 64, 96), (5, 33, 35), (13, 128, 128), (70, 64, 200)]:
         w = jnp.asarray(rng.standard_normal((2, k, 2 * half)) / np.sqrt(k) * 3, w_dtype)
+        packed = native.pack_stacked(w, 2)
         x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
         poison = jnp.zeros((m, half), dtype)
-        out = run_poisoned(lambda _, x, w: native.stacked_matmul(x, w, 1, gated=act, dtype=dtype), poison, x, w)
-        ref = native.gated_activation(native.stacked_matmul(x, w, 1), dtype, act)
+        matmul = functools.partial(native.stacked_matmul, n=2 * half, groups=2)
+        out = run_poisoned(lambda _, x, w: matmul(x, w, 1, gated=act, dtype=dtype), poison, x, packed)
+        ref = native.gated_activation(matmul(x, packed, 1), dtype, act)
         out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
         # Absolute slack for GELU's tail, where 1 + tanh(z) cancels: two tanh approximations 1e-7 apart
         # differ there by ~1e-6 of |gate|.
@@ -378,63 +395,61 @@ def test_gated_stacked_matmul_matches_its_parts(seed, x_dtype, w_dtype, path, ac
 
 
 def test_stacked_matmul_rejects_bad_inputs():
-    x, w = jnp.zeros((2, 8), jnp.float32), jnp.zeros((3, 8, 4), jnp.float32)
+    x, w = jnp.zeros((2, 8), jnp.float32), native.pack_stacked(jnp.zeros((3, 8, 4), jnp.float32))
     with pytest.raises(ValueError, match="float32"):
-        native.stacked_matmul(x.astype(jnp.bfloat16), w, 0)  # bf16 x only under bf16 weights
+        native.stacked_matmul(x.astype(jnp.bfloat16), w, 0, n=4)  # bf16 x only under bf16 weights
     with pytest.raises(ValueError, match="bfloat16 weights"):
-        native.stacked_matmul(x, w.astype(jnp.float16), 0)
-    with pytest.raises(ValueError, match=r"stacked_w \[L, K, N\]"):
-        native.stacked_matmul(x, w[0], 0)
-    with pytest.raises(ValueError, match=r"x \[..., K\]"):
-        native.stacked_matmul(x[:, :5], w, 0)
+        native.stacked_matmul(x, w.astype(jnp.float16), 0, n=4)
+    with pytest.raises(ValueError, match=r"pack_stacked\(w \[L, K, 4\]"):
+        native.stacked_matmul(x, jnp.zeros((3, 8, 4), jnp.float32), 0, n=4)  # not packed
+    with pytest.raises(ValueError, match=r"for x \[..., K\]"):
+        native.stacked_matmul(x[:, :5], w, 0, n=4)
+    with pytest.raises(ValueError, match="groups=2"):
+        native.stacked_matmul(x, w, 0, n=4, groups=2)  # packed as one part
+    with pytest.raises(ValueError, match="groups 2"):
+        native.stacked_matmul(x, w, 0, n=4, gated="silu")
+    with pytest.raises(ValueError, match="equal parts"):
+        native.pack_stacked(jnp.zeros((1, 8, 5)), 2)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_scanned_decode_reads_kernels_in_place(seed, dtype):
-    """The decode step's compiled HLO: the scanned layers' four linears are stacked-matmul custom
-    calls on the whole [L, K, N] kernels, and no dynamic-slice or copy of a layer's [K, N] kernel is
-    left (XLA CPU copied one per layer per step), nor a float32 copy of a bfloat16 stack (XLA CPU
-    widens a bf16 scan operand whole, every step); a float32 prefill step keeps XLA's dots, a bf16 one
-    reads in place too. Logits match the sliced path's."""
+def test_scanned_layers_read_packed_kernels_in_place(seed, dtype):
+    """With the layers' kernels packed (pack_layer_kernels, as the engine does on CPU), the compiled
+    decode and prefill steps run the scanned layers' four linears as stacked-matmul custom calls on the
+    whole packed stacks, and no dynamic-slice or copy of a layer's [K, N] kernel is left (XLA CPU copied
+    one per layer per step), nor a float32 copy of a bfloat16 stack (XLA CPU widens a bf16 scan operand
+    whole, every step). Logits match the unpacked model's (XLA's dots on the scan's slices)."""
     from engine.packing import SeqSlice, StepLayout, pack
     from engine.step import model_step
-    from models import transformer
     from models.config import ModelConfig
     from models.loading import random_model
     from models.paged import init_kv_cache
+    from models.transformer import pack_layer_kernels
 
     cfg = ModelConfig(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96,
                       num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
     model = random_model(cfg, dtype, seed=seed % (1 << 30))
+    packed_state = pack_layer_kernels(model.graphdef, model.state)
     kernel_shapes = {f"{k},{n}]" for k, n in [(64, 128), (64, 64), (64, 192), (96, 64)]}  # [.., K, N]
     rng = np.random.default_rng(seed)
     seqs = [SeqSlice([int(rng.integers(0, 128))], 5 + i, [1 + i]) for i in range(4)]
     decode, prefill = StepLayout(4, 4, 1, 4, decode=True), StepLayout(16, 4, 1, 4, decode=False)
 
-    def step(in_place_kernels=transformer.in_place_kernels):  # a fresh trace of the step, with this rule
-        def run(*args):
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(transformer, "in_place_kernels", in_place_kernels)
-                return model_step.__wrapped__(*args)
-        return jax.jit(run, static_argnums=(0, 4))
-
-    def args(layout):
+    def args(layout, state):
         cache = init_kv_cache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, dtype)
-        return model.graphdef, model.state, cache, pack(seqs, layout, 16), layout
+        return model.graphdef, state, cache, pack(seqs, layout, 16), layout
 
-    in_place = step().lower(*args(decode)).compile()
-    lines = in_place.as_text().splitlines()
-    calls = [line for line in lines if "ferry_stacked_matmul" in line and "custom-call(" in line]
-    assert len(calls) == 4, calls
     stack = f"{'f32' if dtype == jnp.float32 else 'bf16'}[{cfg.num_layers},"
-    assert all(stack in line.split("operand_layout_constraints")[1] for line in calls), (stack, calls)
-    copies = [line for line in lines if ("dynamic-slice(" in line or " copy(" in line or " convert(" in line)
-              and any(s in line.split("=")[1].split("{")[0] for s in kernel_shapes)]
-    assert not copies, copies
-    prefill_calls = [line for line in step().lower(*args(prefill)).compile().as_text().splitlines()
-                     if "ferry_stacked_matmul" in line]
-    assert len(prefill_calls) == (0 if dtype == jnp.float32 else 4), prefill_calls  # bf16: every step
+    for layout in (decode, prefill):
+        lines = model_step.lower(*args(layout, packed_state)).compile().as_text().splitlines()
+        calls = [line for line in lines if "ferry_stacked_matmul" in line and "custom-call(" in line]
+        assert len(calls) == 4, calls
+        assert all(stack in line.split("operand_layout_constraints")[1] for line in calls), (stack, calls)
+        copies = [line for line in lines if ("dynamic-slice(" in line or " copy(" in line or " convert(" in line)
+                  and any(s in line.split("=")[1].split("{")[0] for s in kernel_shapes)]
+        assert not copies, copies
 
-    sliced = step(lambda *_: False)(*args(decode))[0]
+    unpacked = model_step(*args(decode, model.state))[0]
     tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16: one rounding of each linear's float32 sum, both ways
-    np.testing.assert_allclose(np.asarray(in_place(*args(decode)[1:4])[0]), np.asarray(sliced), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(model_step(*args(decode, packed_state))[0]), np.asarray(unpacked),
+                               rtol=tol, atol=tol)

@@ -270,8 +270,6 @@ struct Tile {
 
 struct Scratch {
   std::vector<float> q, acc, m, l, s, k, v;
-  std::vector<float> panel;  // stacked matmul: one packed [K, 64] panel of w
-  std::vector<uint32_t> pair_panel;  // stacked matmul, bf16 dot products: [ceil(K / 2), 64] pairs of w's rows
   std::vector<int64_t> nk;
   std::vector<int32_t> lane_keys;  // PrefillTileAvx512: keys each query vector sees
   void Reserve(int64_t rows, int64_t vecs, int64_t bs, int64_t d) {
@@ -761,62 +759,71 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer pages, ffi::AnyBuffer updates, ffi::Buffer
 
 // ----------------------------------------------------------------------------- stacked matmul
 
-// y [M, N] = x [M, K] @ w[layer] where w is a whole [L, K, N] stack of per-layer weights: the
-// decoder layers' linears inside jax.lax.scan read their layer's weights in place, where XLA CPU
-// would copy the dynamic-slice w[layer] into a buffer for its library dot on every step.
-// Work items are panels of kPanelCols output columns; each runs over all rows, kRowBlock rows at
-// a time, so a panel of w (K x 64 floats) comes from memory once and from L2 for the next rows.
+// y [M, N] = x [M, K] @ w[layer] where w is a whole stack of per-layer weights, packed once at load
+// (pallas_kernels/native.py, pack_stacked): the decoder layers' linears inside jax.lax.scan read their
+// layer's weights in place, where XLA CPU would copy the dynamic-slice w[layer] on every step.
+//
+// The packed layout is panel-major, the order in which the tiles read it: w [L, P, KP, 64 * E], a panel
+// being 64 output columns over all of K, contiguous in memory.
+//   float32 (E = 1): KP = K, panel[k, j] = w[k, c + j].
+//   bfloat16 (E = 2): KP = ceil(K / 2), panel[k2, 2 j + h] = w[2 k2 + h, c + j] (zero past K): a 32-bit
+//     lane per column holding a pair of rows, as vdpbf16ps takes them.
+// The columns are `groups` equal parts of N / groups (a fused projection's, [gate | up]), each padded
+// with zero columns to whole panels: Pg = ceil(N / groups / 64) panels a part, P = groups * Pg.
+// Packing panels on every call streamed w at 6-13 GB/s a thread (rows N * 2 bytes apart); pre-packed, a
+// [512, 4096] bf16 layer with its gate took 0.14 against 0.23 ms at 4 rows (notes, session 11).
+// A work item is a panel (gated: a gate panel and its up panel) over all rows, kRowBlock rows at a time:
+// the panel comes from memory once and from L2 for the next rows. Every path sums each column over k in
+// order, one FMA (vdpbf16ps: one pair) per term, so a row's result does not depend on the batch.
 constexpr int64_t kPanelCols = 64;
-// An AVX-512 work item packs kPairPanels adjacent panels in one pass over w's rows. For bf16 dot products,
-// reading 128 * kPairPanels contiguous bytes of each: one panel's 128-byte runs (rows N * 2 bytes apart) streamed at ~6 GB/s a
-// thread here, two panels' 256-byte runs at over twice that (measured: a [512, 4096] layer 0.51 -> 0.23 ms
-// at 4 rows, 0.74 -> 0.54 at 64, with the activation).
-constexpr int64_t kPairPanels = 2;
 constexpr int kRowBlock = 6;
-constexpr int64_t kMatmulPrefetchRows = 16;
-// One row (a batch-1 decode step): x @ w is a matrix-vector product, bound by reading w from memory.
-// A work item is kMatvecCols columns; it streams kMatvecRows rows of w at once, each over those
-// columns (4 KiB runs the hardware prefetchers follow), into y, which stays in L1. Each column's sum
-// runs over k in order with one FMA per term, as the panels do: the same bits as they give.
-constexpr int64_t kMatvecCols = 1024;
-constexpr int kMatvecRows = 8;
 
-// bfloat16 weights (a bf16 model's) are widened to float32 as they are read, exactly, so the sums
-// are those of float32 weights holding the same values: half the bytes from memory, float32 FMAs.
 struct Matmul {
-  const float* x;  // [M, K]
-  const void* w;   // [K, N]: the chosen layer, float (W = float) or bfloat16 bits (W = uint16_t)
-  float* y;        // [M, N] (gated: scratch for the paths that do not fuse the activation)
+  const float* x;  // [M, K] float32 (bf16 x widened, for the tiles that read float32)
+  const void* w;   // [P, KP, 64 * E]: the chosen layer's panels, float or bfloat16 bits
+  float* y;        // [M, N] sums (gated: scratch for the paths that do not fuse the activation)
   int64_t m, k, n;
-  const uint16_t* x16 = nullptr;  // [M, K] bfloat16 bits, when x came as bf16 (x: the same, widened)
-  // Gated (act >= 0): w's columns are [gate | up], N = 2I, and the result is act(gate) * up, [M, I]
-  // in `gated_out` (float32 or bfloat16: see GatedRows), computed per panel pair from the tiles' sums.
+  bool w_bf16 = false;
+  int64_t part_cols = 0, part_panels = 0, panels = 0;  // N / groups, Pg, P
+  const uint16_t* x16 = nullptr;  // [M, K] bfloat16 bits, when x came as bf16
+  // Gated (act >= 0, two parts): w's columns are [gate | up], N = 2I, and the result is act(gate) * up,
+  // [M, I] in `gated_out` (float32 or bfloat16: see GatedRows).
   int act = -1;
   void* gated_out = nullptr;
   bool gated_bf16 = false;
-  int64_t OutCols() const { return act >= 0 ? n / 2 : n; }
-  template <typename W>
-  const W* Weights() const { return static_cast<const W*>(w); }
+  int64_t PanelElems() const { return w_bf16 ? (k + 1) / 2 * 2 * kPanelCols : k * kPanelCols; }
+  const void* Panel(int64_t p) const {
+    return static_cast<const char*>(w) + p * PanelElems() * (w_bf16 ? 2 : 4);
+  }
+  int64_t PanelCol(int64_t p) const { return p / part_panels * part_cols + p % part_panels * kPanelCols; }
+  int64_t PanelWidth(int64_t p) const { return std::min(kPanelCols, part_cols - p % part_panels * kPanelCols); }
 };
 
-// Portable version of one panel (auto-vectorised; AVX2/FMA clone on x86-64).
-template <typename W>
-FERRY_INLINE void MatmulPanelGenericOf(const Matmul& p, int64_t n0) {
-  const int64_t cols = std::min(kPanelCols, p.n - n0);
+// Portable: panel `panel`'s sums for every row into y (auto-vectorised; AVX2/FMA clone on x86-64).
+template <bool kBf16>
+FERRY_INLINE void MatmulPanelGenericOf(const Matmul& p, int64_t panel) {
+  const int64_t c0 = p.PanelCol(panel), cols = p.PanelWidth(panel);
   float acc[kPanelCols];
   for (int64_t r = 0; r < p.m; ++r) {
-    std::fill(acc, acc + cols, 0.0f);
+    std::fill(acc, acc + kPanelCols, 0.0f);
     const float* xr = p.x + r * p.k;
     for (int64_t k = 0; k < p.k; ++k) {
       const float a = xr[k];
-      const W* __restrict wk = p.Weights<W>() + k * p.n + n0;
-      for (int64_t j = 0; j < cols; ++j) acc[j] += a * ToF32(wk[j]);
+      if constexpr (kBf16) {
+        const uint16_t* __restrict wk =
+            static_cast<const uint16_t*>(p.Panel(panel)) + k / 2 * 2 * kPanelCols + (k & 1);
+        for (int64_t j = 0; j < kPanelCols; ++j) acc[j] += a * Bf16ToF32(wk[2 * j]);
+      } else {
+        const float* __restrict wk = static_cast<const float*>(p.Panel(panel)) + k * kPanelCols;
+        for (int64_t j = 0; j < kPanelCols; ++j) acc[j] += a * wk[j];
+      }
     }
-    std::copy(acc, acc + cols, p.y + r * p.n + n0);
+    std::copy(acc, acc + cols, p.y + r * p.n + c0);
   }
 }
 
-FERRY_CLONES void MatmulPanelGenericF32(const Matmul& p, int64_t n0) { MatmulPanelGenericOf<float>(p, n0); }
+FERRY_CLONES void MatmulPanelGenericF32(const Matmul& p, int64_t panel) { MatmulPanelGenericOf<false>(p, panel); }
+FERRY_CLONES void MatmulPanelGenericBf16(const Matmul& p, int64_t panel) { MatmulPanelGenericOf<true>(p, panel); }
 
 // ----------------------------------------------------------------------------- gated activation
 
@@ -869,11 +876,10 @@ FERRY_CLONES_512 void GatedRows(const Matmul& p, const float* gate, const float*
                     : GatedRowsOf<float, 1>(gate, up, ld, rows, cols, out, ldo);
 }
 
-FERRY_CLONES void MatmulPanelGenericBf16(const Matmul& p, int64_t n0) { MatmulPanelGenericOf<uint16_t>(p, n0); }
-
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(FERRY_NO_TARGET_CLONES)
 #define FERRY_HAVE_AVX512_MATMUL 1
 #define FERRY_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define FERRY_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 #define FERRY_UNROLL _Pragma("GCC unroll 8")  // unrolled before GCC decides where acc lives
 
 // 16 bfloat16 from `w` (lanes outside `m` zero), each in a 32-bit lane: low half (`shift` 0) or high half
@@ -890,182 +896,68 @@ FERRY_AVX512 FERRY_INLINE __m512 LoadWeights(const uint16_t* w, __mmask16 m) {
   return _mm512_castsi512_ps(LoadBf16Lanes(w, m, 16));
 }
 
-// MR rows x NV vectors of 16 columns, register-blocked (MR * NV accumulators + NV weight vectors
-// + one broadcast <= 32 zmm): per k, NV contiguous loads of w's row and MR broadcasts of x.
-// `tail` masks the last vector's columns (a panel narrower than 16 * NV).
-template <int MR, int NV, bool kPrefetch>
-FERRY_AVX512 void MatmulTileAvx512(const Matmul& p, const float* w, int64_t ldw, int64_t r0,
-                                   __mmask16 tail, float* y, int64_t ldy) {
-  __m512 acc[MR][NV];
+FERRY_INLINE __mmask16 LeadingLanes(int64_t count) {  // the first min(count, 16) lanes
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
+}
+
+// A panel tile: rows r0.. (MR of them) x one panel's 64 columns, register-blocked (MR * 4 accumulators,
+// 4 weight vectors and a broadcast <= 32 zmm); the first `cols` sums of each row go to y (rows ldy apart).
+using PanelTileFn = void (*)(const Matmul&, const void* panel, int64_t r0, int64_t cols, float* y, int64_t ldy);
+
+#define FERRY_STORE_TILE(acc)                                                       \
+  FERRY_UNROLL for (int r = 0; r < MR; ++r, y += ldy)                               \
+    FERRY_UNROLL for (int v = 0; v < 4; ++v) if (16 * v < cols)                     \
+      _mm512_mask_storeu_ps(y + 16 * v, LeadingLanes(cols - 16 * v), acc[r][v])
+
+// float32 panel, float32 x: per k, 4 loads of the panel's row and MR broadcasts of x.
+template <int MR>
+FERRY_AVX512 void PanelTileF32(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
+                               int64_t ldy) {
+  __m512 acc[MR][4];
   FERRY_UNROLL for (int r = 0; r < MR; ++r)
-    FERRY_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  const float* w = static_cast<const float*>(panel);
   const float* x = p.x + r0 * p.k;
-  for (int64_t k = 0; k < p.k; ++k, w += ldw) {
-    // w's rows are N floats apart: a new page every row or two, which the hardware prefetchers
-    // do not follow. Prefetching kMatmulPrefetchRows ahead keeps the misses in flight (unpacked
-    // panels only).
-    if (kPrefetch)
-      FERRY_UNROLL for (int v = 0; v < NV; ++v)
-        _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * ldw + 16 * v),
-                     _MM_HINT_T0);
-    __m512 b[NV];
-    FERRY_UNROLL for (int v = 0; v < NV - 1; ++v) b[v] = _mm512_loadu_ps(w + 16 * v);
-    b[NV - 1] = _mm512_maskz_loadu_ps(tail, w + 16 * (NV - 1));
+  for (int64_t k = 0; k < p.k; ++k, w += kPanelCols) {
+    __m512 b[4];
+    FERRY_UNROLL for (int v = 0; v < 4; ++v) b[v] = _mm512_loadu_ps(w + 16 * v);
     FERRY_UNROLL for (int r = 0; r < MR; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * p.k + k]);
-      FERRY_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
+      FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
     }
   }
-  FERRY_UNROLL for (int r = 0; r < MR; ++r, y += ldy) {
-    FERRY_UNROLL for (int v = 0; v < NV - 1; ++v) _mm512_storeu_ps(y + 16 * v, acc[r][v]);
-    _mm512_mask_storeu_ps(y + 16 * (NV - 1), tail, acc[r][NV - 1]);
-  }
+  FERRY_STORE_TILE(acc);
 }
 
-// Tiles write rows r0.. of one panel's sums to y (rows ldy apart): into the result, or into a
-// gated panel pair's scratch.
-using MatmulTileFn = void (*)(const Matmul&, const float*, int64_t, int64_t, __mmask16, float*, int64_t);
-
-// Panels [0, cols) of w (rows ldw apart; cols <= kPairPanels * kPanelCols) -> `packed` float32, panel g
-// [K, kPanelCols] at g * panel_stride, read once from memory in one pass with prefetch. Packed, the next
-// row blocks read a panel contiguously: unpacked, rows 4 KiB apart (N = 1024) all land in the same
-// cache sets and the panel falls out of L1 and L2.
-template <typename W>
-FERRY_AVX512 void PackPanelsAvx512(const W* w, int64_t ldw, int64_t k_rows, int64_t cols, float* packed,
-                                   int64_t panel_stride) {
-  const int64_t count = (cols + kPanelCols - 1) / kPanelCols;
-  for (int64_t k = 0; k < k_rows; ++k, w += ldw, packed += kPanelCols) {
-    for (int64_t b = 0; b < cols * static_cast<int64_t>(sizeof(W)); b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * ldw) + b, _MM_HINT_T0);
-    for (int64_t g = 0; g < count; ++g) {
-      const int64_t panel_cols = std::min(kPanelCols, cols - g * kPanelCols);
-      const int64_t vectors = (panel_cols + 15) / 16;
-      const __mmask16 tail = static_cast<__mmask16>((1u << (panel_cols - 16 * (vectors - 1))) - 1u);
-      for (int64_t v = 0; v < vectors; ++v)
-        _mm512_storeu_ps(packed + g * panel_stride + 16 * v,
-                         LoadWeights(w + g * kPanelCols + 16 * v, v == vectors - 1 ? tail : static_cast<__mmask16>(0xFFFF)));
+// bfloat16 panel, float32 x (bf16 x widened, where the CPU lacks AVX512-BF16): each lane's pair of
+// weights widened exactly, the low half (row 2 k2) then the high (2 k2 + 1): one FMA per term in k order,
+// the float32 tile's bits for float32 weights of the same values.
+template <int MR>
+FERRY_AVX512 void PanelTileWidened(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
+                                   int64_t ldy) {
+  __m512 acc[MR][4];
+  FERRY_UNROLL for (int r = 0; r < MR; ++r)
+    FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  const uint32_t* w = static_cast<const uint32_t*>(panel);
+  const float* x = p.x + r0 * p.k;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < p.k; k += 2, w += kPanelCols) {
+    __m512 b[4];
+    FERRY_UNROLL for (int v = 0; v < 4; ++v)
+      b[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + 16 * v), 16));
+    FERRY_UNROLL for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * p.k + k]);
+      FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
+    }
+    if (k + 1 == p.k) break;
+    FERRY_UNROLL for (int v = 0; v < 4; ++v)
+      b[v] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w + 16 * v), high));
+    FERRY_UNROLL for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * p.k + k + 1]);
+      FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
     }
   }
-}
-
-template <int MR, bool kPrefetch>
-constexpr MatmulTileFn kMatmulTilesOfRows[4] = {
-    &MatmulTileAvx512<MR, 1, kPrefetch>, &MatmulTileAvx512<MR, 2, kPrefetch>,
-    &MatmulTileAvx512<MR, 3, kPrefetch>, &MatmulTileAvx512<MR, 4, kPrefetch>};
-
-// [prefetch][rows - 1][vectors - 1]
-constexpr const MatmulTileFn* kMatmulTiles[2][kRowBlock] = {
-    {kMatmulTilesOfRows<1, false>, kMatmulTilesOfRows<2, false>, kMatmulTilesOfRows<3, false>,
-     kMatmulTilesOfRows<4, false>, kMatmulTilesOfRows<5, false>, kMatmulTilesOfRows<6, false>},
-    {kMatmulTilesOfRows<1, true>, kMatmulTilesOfRows<2, true>, kMatmulTilesOfRows<3, true>,
-     kMatmulTilesOfRows<4, true>, kMatmulTilesOfRows<5, true>, kMatmulTilesOfRows<6, true>}};
-
-// y[0, n0 : n0 + kMatvecCols] for a one-row x. ROWS rows of w from k0 (a vector of y at a time).
-template <int ROWS, typename W>
-FERRY_AVX512 void MatvecRowsAvx512(const Matmul& p, int64_t n0, int64_t vectors, __mmask16 tail, int64_t k0,
-                                   int rows) {
-  __m512 a[ROWS > 0 ? ROWS : kMatvecRows];
-  const int count = ROWS > 0 ? ROWS : rows;
-  for (int j = 0; j < count; ++j) a[j] = _mm512_set1_ps(p.x[k0 + j]);
-  const W* w = p.Weights<W>() + k0 * p.n + n0;
-  float* y = p.y + n0;
-  for (int64_t v = 0; v < vectors; ++v) {
-    const __mmask16 m = v == vectors - 1 ? tail : static_cast<__mmask16>(0xFFFF);
-    __m512 acc = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, y + 16 * v);
-    if (ROWS > 0) {
-      FERRY_UNROLL for (int j = 0; j < ROWS; ++j)
-        acc = _mm512_fmadd_ps(a[j], LoadWeights(w + j * p.n + 16 * v, m), acc);
-    } else {
-      for (int j = 0; j < count; ++j)
-        acc = _mm512_fmadd_ps(a[j], LoadWeights(w + j * p.n + 16 * v, m), acc);
-    }
-    _mm512_mask_storeu_ps(y + 16 * v, m, acc);
-  }
-}
-
-// Adds `rows` rows of w from k0 (times x's) into y[0, n0 : n0 + 16 * vectors].
-using MatvecRowsFn = void (*)(const Matmul&, int64_t n0, int64_t vectors, __mmask16 tail, int64_t k0, int rows);
-
-// y[0, n0 : n0 + width] for a one-row x: kMatvecRows rows of w at a time (`full`), then the rest (`rest`).
-void MatvecChunk(const Matmul& p, int64_t n0, int64_t width, MatvecRowsFn full, MatvecRowsFn rest) {
-  const int64_t cols = std::min(width, p.n - n0);
-  const int64_t vectors = (cols + 15) / 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (cols - 16 * (vectors - 1))) - 1u);
-  if (p.k == 0) return std::fill(p.y + n0, p.y + n0 + cols, 0.0f);
-  int64_t k0 = 0;
-  for (; k0 + kMatvecRows <= p.k; k0 += kMatvecRows) full(p, n0, vectors, tail, k0, kMatvecRows);
-  if (k0 < p.k) rest(p, n0, vectors, tail, k0, static_cast<int>(p.k - k0));
-}
-
-// Columns [n0, n0 + kPairPanels * kPanelCols) of the result (gated: of act(gate) * up, the gate's panels
-// at n0 and the up's at I + n0).
-template <typename W>
-void MatmulPanelsAvx512(const Matmul& p, int64_t n0) {
-  const int64_t cols = std::min(kPairPanels * kPanelCols, p.OutCols() - n0);
-  const int64_t count = (cols + kPanelCols - 1) / kPanelCols, stride = p.k * kPanelCols;
-  const int halves = p.act >= 0 ? 2 : 1;
-  // Packed when several row blocks read the panel, and always from bfloat16 (the tiles read float32).
-  const bool pack = p.m > kRowBlock || !std::is_same_v<W, float>;
-  std::vector<float>& panel = ThreadScratch().panel;
-  if (pack) {
-    if (static_cast<int64_t>(panel.size()) < halves * count * stride) panel.resize(halves * count * stride);
-    for (int h = 0; h < halves; ++h)
-      PackPanelsAvx512(p.Weights<W>() + n0 + h * p.n / 2, p.n, p.k, cols, panel.data() + h * count * stride,
-                       stride);
-  }
-  const int64_t ldw = pack ? kPanelCols : p.n;
-  for (int64_t g = 0; g < count; ++g) {
-    const int64_t c0 = n0 + g * kPanelCols, panel_cols = std::min(kPanelCols, cols - g * kPanelCols);
-    const int64_t vectors = (panel_cols + 15) / 16;
-    const __mmask16 tail = static_cast<__mmask16>((1u << (panel_cols - 16 * (vectors - 1))) - 1u);
-    const float* w[2];  // the gate's and the up's, when gated
-    for (int h = 0; h < halves; ++h)
-      w[h] = pack ? panel.data() + (h * count + g) * stride : p.Weights<float>() + c0 + h * p.n / 2;
-    for (int64_t r0 = 0; r0 < p.m; r0 += kRowBlock) {
-      const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
-      const MatmulTileFn tile = kMatmulTiles[!pack][rows - 1][vectors - 1];
-      if (halves == 1) {
-        tile(p, w[0], ldw, r0, tail, p.y + r0 * p.n + c0, p.n);
-      } else {
-        float sums[2][kRowBlock * kPanelCols];
-        tile(p, w[0], ldw, r0, tail, sums[0], kPanelCols);
-        tile(p, w[1], ldw, r0, tail, sums[1], kPanelCols);
-        GatedRows(p, sums[0], sums[1], kPanelCols, r0, rows, c0, panel_cols);
-      }
-    }
-  }
-}
-
-// bfloat16 x and w on a CPU with AVX512-BF16: vdpbf16ps multiplies pairs of bf16 and adds both products
-// to a float32 lane, twice the float32 FMA's work per instruction. w's panel is packed as pairs of
-// consecutive rows, [ceil(K / 2), kPanelCols] 32-bit lanes of (w[2k, j] low, w[2k + 1, j] high) (an odd
-// K's last pair has a zero high half), and each x row is read as pairs (x[2k], x[2k + 1]) broadcast.
-#define FERRY_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
-
-// Panels [0, cols) of w (cols <= kPairPanels * kPanelCols) -> `packed`, panel g at g * panel_stride: rows in
-// pairs, as the tiles read them; both rows of the pair kMatmulPrefetchRows ahead are prefetched.
-FERRY_AVX512_BF16 void PackPairPanels(const uint16_t* w, int64_t ldw, int64_t k_rows, int64_t cols,
-                                      uint32_t* packed, int64_t panel_stride) {
-  const int64_t count = (cols + kPanelCols - 1) / kPanelCols;
-  for (int64_t k = 0; k < k_rows; k += 2, w += 2 * ldw, packed += kPanelCols) {
-    const bool pair = k + 1 < k_rows;
-    for (int64_t b = 0; b < 2 * cols; b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + kMatmulPrefetchRows * ldw) + b, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (kMatmulPrefetchRows + 1) * ldw) + b, _MM_HINT_T0);
-    }
-    for (int64_t g = 0; g < count; ++g) {
-      const int64_t panel_cols = std::min(kPanelCols, cols - g * kPanelCols);
-      const int64_t vectors = (panel_cols + 15) / 16;
-      const __mmask16 tail = static_cast<__mmask16>((1u << (panel_cols - 16 * (vectors - 1))) - 1u);
-      for (int64_t v = 0; v < vectors; ++v) {
-        const __mmask16 m = v == vectors - 1 ? tail : static_cast<__mmask16>(0xFFFF);
-        const uint16_t* src = w + g * kPanelCols + 16 * v;
-        const __m512i lo = LoadBf16Lanes(src, m, 0);
-        const __m512i hi = pair ? LoadBf16Lanes(src + ldw, m, 16) : _mm512_setzero_si512();
-        _mm512_storeu_si512(packed + g * panel_stride + 16 * v, _mm512_or_si512(lo, hi));
-      }
-    }
-  }
+  FERRY_STORE_TILE(acc);
 }
 
 FERRY_INLINE uint32_t XPair(const uint16_t* x_row, int64_t k, int64_t k_rows) {  // (x[k], x[k + 1] or 0)
@@ -1073,94 +965,59 @@ FERRY_INLINE uint32_t XPair(const uint16_t* x_row, int64_t k, int64_t k_rows) { 
   return static_cast<uint32_t>(x_row[k]) | (hi << 16);
 }
 
-template <int MR, int NV>
-FERRY_AVX512_BF16 void Dpbf16Tile(const Matmul& p, const uint32_t* packed, int64_t r0, __mmask16 tail, float* y,
-                                  int64_t ldy) {
-  __m512 acc[MR][NV];
+// bfloat16 panel and x on a CPU with AVX512-BF16: vdpbf16ps multiplies pairs of bf16 and adds both
+// products to a float32 lane, twice the float32 FMA's work per instruction; each x row is read as pairs
+// (x[2 k2], x[2 k2 + 1]) broadcast.
+template <int MR>
+FERRY_AVX512_BF16 void PanelTileDpbf16(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
+                                       int64_t ldy) {
+  __m512 acc[MR][4];
   FERRY_UNROLL for (int r = 0; r < MR; ++r)
-    FERRY_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  const uint32_t* w = static_cast<const uint32_t*>(panel);
   const uint16_t* x = p.x16 + r0 * p.k;
   // A pair of x is the 32-bit word at x + k: broadcast from memory (an odd K's last pair is built).
   const int64_t even = p.k & ~int64_t{1};
-  for (int64_t k = 0; k < p.k; k += 2, packed += kPanelCols) {
-    __m512i b[NV];
-    FERRY_UNROLL for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(packed + 16 * v);
+  for (int64_t k = 0; k < p.k; k += 2, w += kPanelCols) {
+    __m512i b[4];
+    FERRY_UNROLL for (int v = 0; v < 4; ++v) b[v] = _mm512_loadu_si512(w + 16 * v);
     FERRY_UNROLL for (int r = 0; r < MR; ++r) {
       int32_t pair;
       if (k < even) std::memcpy(&pair, x + r * p.k + k, sizeof(pair));
       else pair = static_cast<int32_t>(XPair(x + r * p.k, k, p.k));
       const __m512i a = _mm512_set1_epi32(pair);
-      FERRY_UNROLL for (int v = 0; v < NV; ++v)
+      FERRY_UNROLL for (int v = 0; v < 4; ++v)
         acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)a, (__m512bh)b[v]);
     }
   }
-  FERRY_UNROLL for (int r = 0; r < MR; ++r, y += ldy) {
-    FERRY_UNROLL for (int v = 0; v < NV - 1; ++v) _mm512_storeu_ps(y + 16 * v, acc[r][v]);
-    _mm512_mask_storeu_ps(y + 16 * (NV - 1), tail, acc[r][NV - 1]);
-  }
+  FERRY_STORE_TILE(acc);
 }
 
-using Dpbf16TileFn = void (*)(const Matmul&, const uint32_t*, int64_t, __mmask16, float*, int64_t);
+#undef FERRY_STORE_TILE
 
-template <int MR>
-constexpr Dpbf16TileFn kDpbf16TilesOfRows[4] = {&Dpbf16Tile<MR, 1>, &Dpbf16Tile<MR, 2>, &Dpbf16Tile<MR, 3>,
-                                                &Dpbf16Tile<MR, 4>};
-constexpr const Dpbf16TileFn* kDpbf16Tiles[kRowBlock] = {
-    kDpbf16TilesOfRows<1>, kDpbf16TilesOfRows<2>, kDpbf16TilesOfRows<3>,
-    kDpbf16TilesOfRows<4>, kDpbf16TilesOfRows<5>, kDpbf16TilesOfRows<6>};
+// [kind][rows - 1]: kind 0 float32, 1 widened bfloat16, 2 bf16 dot products.
+constexpr PanelTileFn kPanelTiles[3][kRowBlock] = {
+    {&PanelTileF32<1>, &PanelTileF32<2>, &PanelTileF32<3>, &PanelTileF32<4>, &PanelTileF32<5>, &PanelTileF32<6>},
+    {&PanelTileWidened<1>, &PanelTileWidened<2>, &PanelTileWidened<3>, &PanelTileWidened<4>,
+     &PanelTileWidened<5>, &PanelTileWidened<6>},
+    {&PanelTileDpbf16<1>, &PanelTileDpbf16<2>, &PanelTileDpbf16<3>, &PanelTileDpbf16<4>, &PanelTileDpbf16<5>,
+     &PanelTileDpbf16<6>}};
 
-// Columns [n0, n0 + kPairPanels * kPanelCols) of the result (gated: of act(gate) * up, the gate's panels
-// at n0 and the up's at I + n0).
-void MatmulPanelsDpbf16(const Matmul& p, int64_t n0) {
-  const int64_t cols = std::min(kPairPanels * kPanelCols, p.OutCols() - n0);
-  const int64_t count = (cols + kPanelCols - 1) / kPanelCols;
-  const int64_t pairs = (p.k + 1) / 2, stride = pairs * kPanelCols;
-  const int halves = p.act >= 0 ? 2 : 1;
-  std::vector<uint32_t>& panel = ThreadScratch().pair_panel;
-  if (static_cast<int64_t>(panel.size()) < halves * count * stride) panel.resize(halves * count * stride);
-  for (int h = 0; h < halves; ++h)
-    PackPairPanels(p.Weights<uint16_t>() + n0 + h * p.n / 2, p.n, p.k, cols, panel.data() + h * count * stride,
-                   stride);
-  for (int64_t g = 0; g < count; ++g) {
-    const int64_t c0 = n0 + g * kPanelCols, panel_cols = std::min(kPanelCols, cols - g * kPanelCols);
-    const int64_t vectors = (panel_cols + 15) / 16;
-    const __mmask16 tail = static_cast<__mmask16>((1u << (panel_cols - 16 * (vectors - 1))) - 1u);
-    const uint32_t* first = panel.data() + g * stride;  // the gate's, when gated
-    for (int64_t r0 = 0; r0 < p.m; r0 += kRowBlock) {
-      const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
-      const Dpbf16TileFn tile = kDpbf16Tiles[rows - 1][vectors - 1];
-      if (halves == 1) {
-        tile(p, first, r0, tail, p.y + r0 * p.n + c0, p.n);
-      } else {
-        float sums[2][kRowBlock * kPanelCols];
-        tile(p, first, r0, tail, sums[0], kPanelCols);
-        tile(p, first + count * stride, r0, tail, sums[1], kPanelCols);
-        GatedRows(p, sums[0], sums[1], kPanelCols, r0, rows, c0, panel_cols);
-      }
+// Work item `item` on AVX-512: panel `item` over every row into y; gated, the gate's panel `item` and the
+// up's (Pg later), their sums in L1 scratch, act(gate) * up into the result's columns 64 * item...
+void MatmulItemAvx512(const Matmul& p, const PanelTileFn* tiles, int64_t item) {
+  const int64_t c0 = p.PanelCol(item), cols = p.PanelWidth(item);
+  for (int64_t r0 = 0; r0 < p.m; r0 += kRowBlock) {
+    const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
+    const PanelTileFn tile = tiles[rows - 1];
+    if (p.act < 0) {
+      tile(p, p.Panel(item), r0, cols, p.y + r0 * p.n + c0, p.n);
+    } else {
+      float sums[2][kRowBlock * kPanelCols];
+      tile(p, p.Panel(item), r0, cols, sums[0], kPanelCols);
+      tile(p, p.Panel(p.part_panels + item), r0, cols, sums[1], kPanelCols);
+      GatedRows(p, sums[0], sums[1], kPanelCols, r0, rows, c0, cols);
     }
-  }
-}
-
-// One row (a MatvecRowsFn): ROWS rows of w (0: `rows`, at run time) from k0, in pairs packed on the fly. The
-// same dot-product sequence per column as the panels: the same bits.
-template <int ROWS>
-FERRY_AVX512_BF16 void Dpbf16MatvecRows(const Matmul& p, int64_t n0, int64_t vectors, __mmask16 tail, int64_t k0,
-                                        int rows) {
-  __m512i a[kMatvecRows / 2];
-  const int count = ROWS > 0 ? ROWS / 2 : (rows + 1) / 2;
-  for (int j = 0; j < count; ++j) a[j] = _mm512_set1_epi32(static_cast<int>(XPair(p.x16, k0 + 2 * j, p.k)));
-  const uint16_t* w = p.Weights<uint16_t>() + k0 * p.n + n0;
-  float* y = p.y + n0;
-  for (int64_t v = 0; v < vectors; ++v) {
-    const __mmask16 m = v == vectors - 1 ? tail : static_cast<__mmask16>(0xFFFF);
-    __m512 acc = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, y + 16 * v);
-    FERRY_UNROLL for (int j = 0; j < count; ++j) {
-      const uint16_t* row = w + 2 * j * p.n + 16 * v;
-      const __m512i lo = LoadBf16Lanes(row, m, 0);
-      const __m512i hi = k0 + 2 * j + 1 < p.k ? LoadBf16Lanes(row + p.n, m, 16) : _mm512_setzero_si512();
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)a[j], (__m512bh)_mm512_or_si512(lo, hi));
-    }
-    _mm512_mask_storeu_ps(y + 16 * v, m, acc);
   }
 }
 
@@ -1374,56 +1231,42 @@ void PrefillTileAvx512(const Problem<float, uint16_t>&, const Tile&, Scratch&) {
 
 struct MatmulWork {
   const Matmul* problem;
-  bool bf16;    // the weights are bfloat16
-  bool avx512;
-  bool matvec;  // avx512 and one row: matvec_cols columns an item
-  bool dpbf16;  // bf16 x and w on AVX512-BF16: MatmulPanelDpbf16
-  int64_t matvec_cols = kMatvecCols;
-  int64_t PanelCols() const { return matvec ? matvec_cols : avx512 ? kPairPanels * kPanelCols : kPanelCols; }
-  // The AVX-512 panels apply a gated activation per panel pair; the other paths leave every sum in
-  // y for one pass afterwards.
-  bool FusesGate() const { return avx512 && !matvec; }
-  int64_t Items() const {
-    const int64_t cols = FusesGate() ? problem->OutCols() : problem->n;
-    return (cols + PanelCols() - 1) / PanelCols();
-  }
-  static void Run(const void* self, int64_t panel) {
+  const void* tiles;  // AVX-512: kPanelTiles[kind] (the activation fused per item); null: the portable loops
+  bool FusesGate() const { return tiles != nullptr; }
+  int64_t Items() const { return FusesGate() && problem->act >= 0 ? problem->part_panels : problem->panels; }
+  static void Run(const void* self, int64_t item) {
     const auto* w = static_cast<const MatmulWork*>(self);
 #ifdef FERRY_HAVE_AVX512_MATMUL
-    if (w->matvec) {
-      if (w->dpbf16)
-        return MatvecChunk(*w->problem, panel * w->matvec_cols, w->matvec_cols, &Dpbf16MatvecRows<kMatvecRows>, &Dpbf16MatvecRows<0>);
-      if (w->bf16)
-        return MatvecChunk(*w->problem, panel * w->matvec_cols, w->matvec_cols, &MatvecRowsAvx512<kMatvecRows, uint16_t>,
-                           &MatvecRowsAvx512<0, uint16_t>);
-      return MatvecChunk(*w->problem, panel * w->matvec_cols, w->matvec_cols, &MatvecRowsAvx512<kMatvecRows, float>,
-                         &MatvecRowsAvx512<0, float>);
-    }
-    if (w->dpbf16) return MatmulPanelsDpbf16(*w->problem, panel * kPairPanels * kPanelCols);
-    if (w->avx512)
-      return w->bf16 ? MatmulPanelsAvx512<uint16_t>(*w->problem, panel * kPairPanels * kPanelCols)
-                     : MatmulPanelsAvx512<float>(*w->problem, panel * kPairPanels * kPanelCols);
+    if (w->tiles != nullptr) return MatmulItemAvx512(*w->problem, static_cast<const PanelTileFn*>(w->tiles), item);
 #endif
-    if (w->bf16) return MatmulPanelGenericBf16(*w->problem, panel * kPanelCols);
-    MatmulPanelGenericF32(*w->problem, panel * kPanelCols);
+    if (w->problem->w_bf16) return MatmulPanelGenericBf16(*w->problem, item);
+    MatmulPanelGenericF32(*w->problem, item);
   }
 };
 
 ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer>& y, int32_t act) {
+                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer>& y, int32_t act,
+                             int32_t groups) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const bool gated = act >= 0;
   if (act > 1) return ffi::Error::InvalidArgument("ferry stacked matmul: act must be -1, 0 or 1");
-  if (xd.size() != 2 || wd.size() != 3 || layer.element_count() != 1 || yd.size() != 2 ||
-      xd[1] != wd[1] || yd[0] != xd[0] || (gated ? (wd[2] % 2 != 0 || yd[1] * 2 != wd[2]) : yd[1] != wd[2]))
-    return ffi::Error::InvalidArgument(
-        "ferry stacked matmul: expected x [M,K], w [L,K,N], layer [] and y [M,N] (gated: [M,N/2])");
-  const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
-  if (!(y->element_type() == ffi::DataType::F32 || (gated && y_bf16)))
-    return ffi::Error::InvalidArgument("ferry stacked matmul: y must be float32 (gated: or bfloat16)");
+  if (groups < 1 || (gated && groups != 2))
+    return ffi::Error::InvalidArgument("ferry stacked matmul: groups must be >= 1 (gated: 2)");
   const bool bf16 = w.element_type() == ffi::DataType::BF16;
   if (!bf16 && w.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("ferry stacked matmul: w must be float32 or bfloat16");
+  if (xd.size() != 2 || yd.size() != 2 || layer.element_count() != 1 || yd[0] != xd[0] || wd.size() != 4)
+    return ffi::Error::InvalidArgument("ferry stacked matmul: expected x [M,K], packed w [L,P,KP,64E], layer [] "
+                                       "and y [M,N] (gated: [M,N/2])");
+  const int64_t n = gated ? 2 * yd[1] : yd[1], k = xd[1];
+  const int64_t part_cols = n / groups, part_panels = (part_cols + kPanelCols - 1) / kPanelCols;
+  if (n % groups != 0 || wd[1] != groups * part_panels || wd[2] != (bf16 ? (k + 1) / 2 : k) ||
+      wd[3] != (bf16 ? 2 : 1) * kPanelCols)
+    return ffi::Error::InvalidArgument(
+        "ferry stacked matmul: w is not x's K and y's N packed in `groups` parts (native.pack_stacked)");
+  const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
+  if (!(y->element_type() == ffi::DataType::F32 || (gated && y_bf16)))
+    return ffi::Error::InvalidArgument("ferry stacked matmul: y must be float32 (gated: or bfloat16)");
   const bool x16 = x.element_type() == ffi::DataType::BF16;
   if (!(x.element_type() == ffi::DataType::F32 || (x16 && bf16)))
     return ffi::Error::InvalidArgument("ferry stacked matmul: x must be float32, or bfloat16 with bfloat16 w");
@@ -1432,9 +1275,13 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, wd[0] - 1);
   const int64_t element_bytes = bf16 ? 2 : 4;
   Matmul p{static_cast<const float*>(x.untyped_data()),
-           static_cast<const char*>(w.untyped_data()) + l * wd[1] * wd[2] * element_bytes,
-           static_cast<float*>(y->untyped_data()), xd[0], xd[1], wd[2]};
+           static_cast<const char*>(w.untyped_data()) + l * wd[1] * wd[2] * wd[3] * element_bytes,
+           static_cast<float*>(y->untyped_data()), xd[0], k, n};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.w_bf16 = bf16;
+  p.part_cols = part_cols;
+  p.part_panels = part_panels;
+  p.panels = wd[1];
   if (gated) {
     p.act = act;
     p.gated_out = y->untyped_data();
@@ -1443,7 +1290,6 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   const bool avx512 = UseAvx512Matmul();
   // bf16 dot products for every row count (one row too): a row's sums do not depend on the batch.
   const bool dpbf16 = x16 && avx512 && UseDpbf16Matmul();
-  const bool matvec = avx512 && p.m == 1;
   std::vector<float> widened;  // bf16 x for the float32 paths: widened once, exactly
   if (x16) {
     p.x16 = static_cast<const uint16_t*>(x.untyped_data());
@@ -1453,7 +1299,10 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
       p.x = widened.data();
     }
   }
-  MatmulWork work{&p, bf16, avx512, matvec, dpbf16};
+  MatmulWork work{&p, nullptr};
+#ifdef FERRY_HAVE_AVX512_MATMUL
+  if (avx512) work.tiles = kPanelTiles[dpbf16 ? 2 : bf16 ? 1 : 0];
+#endif
   std::vector<float> sums;  // gated, on the paths that do not fuse it: every sum, then one pass
   if (gated && !work.FusesGate()) {
     sums.resize(p.m * p.n);
@@ -1463,17 +1312,15 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   const int env = MaxThreadsFromEnv();
   if (env > 0) threads = std::min<int64_t>(threads, env);
   if (p.m * p.k * p.n < (int64_t{1} << 18)) threads = 1;  // not worth waking a thread
-  // One row, few columns (o_proj, down: N = hidden): narrower items, down to 256 columns, so every thread
-  // streams its share of w (one 1,024-column item left the other thread idle: 9 GB/s for [2048, 512]).
-  while (matvec && work.matvec_cols > 256 && work.Items() < threads) work.matvec_cols /= 2;
   ParallelFor(&pool, work.Items(), threads - 1, &work, &MatmulWork::Run);
   if (gated && !work.FusesGate()) GatedRows(p, sums.data(), sums.data() + p.n / 2, p.n, 0, p.m, 0, p.n / 2);
   return ffi::Error::Success();
 }
 
 ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y, int32_t act) {
-  return Guarded([&] { return StackedMatmulBody(pool, x, w, layer, y, act); });
+                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y, int32_t act,
+                             int32_t groups) {
+  return Guarded([&] { return StackedMatmulBody(pool, x, w, layer, y, act, groups); });
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -1535,10 +1382,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmul, StackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] f32, or bf16 under bf16 w
-                                  .Arg<ffi::AnyBuffer>()  // w [L, K, N] f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()  // w [L, P, KP, 64E] f32 or bf16, packed
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::AnyBuffer>()  // y [M, N] f32; gated: [M, N/2] f32 or bf16
-                                  .Attr<int32_t>("act"));  // -1: none; gated: 0 SiLU, 1 GELU (tanh)
+                                  .Attr<int32_t>("act")      // -1: none; gated: 0 SiLU, 1 GELU (tanh)
+                                  .Attr<int32_t>("groups"));  // w's column parts, each padded to panels
 
 // Let the loader (pallas_kernels/native.py) check that the library matches the Python side and
 // was built from this very source (the build passes -DFERRY_SOURCE_HASH=<sha256 prefix>).
@@ -1550,7 +1398,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmul, StackedMatmulImpl,
 #ifndef FERRY_JAXLIB_VERSION
 #define FERRY_JAXLIB_VERSION "unknown"
 #endif
-extern "C" int FerryPagedAttentionAbiVersion() { return 4; }
+extern "C" int FerryPagedAttentionAbiVersion() { return 5; }
 extern "C" const char* FerryPagedAttentionSourceHash() { return FERRY_SOURCE_HASH; }
 extern "C" const char* FerryPagedAttentionJaxlibVersion() { return FERRY_JAXLIB_VERSION; }
 
