@@ -109,11 +109,11 @@ def _linear(cfg_in, cfg_out, bias, dtype, rngs):
 
 def packs_layer_kernels(dtype, tensor_parallel_size: int) -> bool:
     """Whether the scanned layers' linears run on packed kernels (pack_layer_kernels): CPU, the native
-    library built, no tensor parallelism (XLA partitions their dots), float32 or bfloat16 weights. XLA CPU widens a scanned bf16 stack
-    to float32 whole on every step (8 layers of [512, 4096] took 41-55 ms that way at 64-512 rows, the
-    kernel 8.4-43 ms) and copies each layer's slice of a float32 stack; the kernel also beats XLA's dot on
-    float32 prefill rows: a [512, 4096] layer with its gate at 512 rows 4.97 against 5.17 ms (the dot
-    plus the copy), [2048, 512] 2.50 against 2.65 (notes, session 12)."""
+    library built, no tensor parallelism (XLA partitions the stacks' dots), float32 or bfloat16 weights.
+    XLA CPU widens a scanned bf16 stack to float32 whole on every step (8 layers of [512, 4096] took
+    41-55 ms that way at 64-512 rows, the kernel 8.4-43 ms) and copies each layer's slice of a float32
+    stack; the kernel also beats XLA's dot on float32 prefill rows: a [512, 4096] layer with its gate at
+    512 rows 4.97 against 5.17 ms (the dot plus the copy), [2048, 512] 2.50 against 2.65 (notes, session 12)."""
     if jax.default_backend() != "cpu" or tensor_parallel_size != 1 or not native.available():
         return False
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -122,7 +122,7 @@ def packs_layer_kernels(dtype, tensor_parallel_size: int) -> bool:
 def pack_layer_kernels(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
     """A scanned model's state with its layers' linear kernels [L, K, N] replaced by their packed form
     (native.pack_stacked), which only the native stacked matmul reads: call it where
-    packs_layer_kernels(dtype) holds. `state` itself is left as it was (it may serve other engines); the
+    packs_layer_kernels holds. `state` itself is left as it was (it may serve other engines); the
     kernels are packed one at a time, and already packed ones kept."""
     groups = {path + ("kernel",): module.column_groups
               for path, module in nnx.iter_modules(nnx.merge(graphdef, state))
