@@ -59,6 +59,16 @@ POISONED_PREFILL = functools.partial(run_poisoned, paged_prefill_attention_nativ
 
 # ----------------------------------------------------------------------------- decode
 
+@pytest.fixture(params=["avx512_tiles", "vector_tiles"])
+def attention_tiles(request, monkeypatch):
+    """Both attention paths: on AVX-512 the GEMM prefill tiles (head_dim a multiple of 16: every one here
+    but 52 and 80) and the decode tiles (a multiple of 32), and the vector-at-a-time tiles every other
+    CPU runs."""
+    if request.param == "vector_tiles":
+        monkeypatch.setenv("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES", "1")
+    return request.param
+
+
 # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap)
 DECODE_CASES = [
     (2, 2, 64, 8, jnp.float32, None),       # MHA, group 1
@@ -69,11 +79,12 @@ DECODE_CASES = [
     (7, 1, 52, 8, jnp.float32, 10.0),       # group 7 (not a power of two), head_dim 52 (tail)
     (8, 4, 32, 16, jnp.float32, None),      # the benchmark's shape, head_dim 32
     (16, 16, 64, 16, jnp.bfloat16, 50.0),   # many heads, group 1, bfloat16, soft cap
+    (6, 2, 64, 16, jnp.bfloat16, None),     # group 3: the AVX-512 tile's last query vector paired with itself
 ]
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap", DECODE_CASES)
-def test_decode_matches_reference(seed, hq, hkv, d, bs, dtype, cap):
+def test_decode_matches_reference(seed, hq, hkv, d, bs, dtype, cap, attention_tiles):
     rng = np.random.default_rng(seed)
     # context 0 (padding row), 1, one full page, one page + 1, several pages, random, long.
     ctx = [0, 1, bs, bs + 1, 5 * bs + 3, int(rng.integers(1, 4 * bs)), 2048 + int(rng.integers(bs))]
@@ -88,7 +99,7 @@ def test_decode_matches_reference(seed, hq, hkv, d, bs, dtype, cap):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_large_batch(seed, dtype, monkeypatch):
+def test_decode_large_batch(seed, dtype, monkeypatch, attention_tiles):
     """A batch big enough that one work item takes all kv heads of a sequence (the decode fast
     path), long contexts (page prefetch), and the same bits on one thread as on the pool."""
     rng = np.random.default_rng(seed)
@@ -105,7 +116,7 @@ def test_decode_large_batch(seed, dtype, monkeypatch):
                                   err_msg=f"thread count changed the result seed={seed}")
 
 
-def test_decode_small_batch_splits_heads(seed):
+def test_decode_small_batch_splits_heads(seed, attention_tiles):
     """One or two sequences: heads are split across work items."""
     rng = np.random.default_rng(seed)
     for ctx in ([300], [1, 77]):
@@ -117,7 +128,7 @@ def test_decode_small_batch_splits_heads(seed):
         check_close(out, ref, jnp.float32, seed, f"decode batch {len(ctx)}")
 
 
-def test_float32_queries_over_bfloat16_pages(seed):
+def test_float32_queries_over_bfloat16_pages(seed, attention_tiles):
     """A bf16 KV cache under a float32 model: float32 q and output over bf16 pages, decode and prefill,
     against the reference on the same pages (float32 accumulation, so float32 tolerance)."""
     rng = np.random.default_rng(seed)
@@ -194,17 +205,8 @@ def native_prefill_batch(bs):
     ]
 
 
-@pytest.fixture(params=["gemm_tiles", "vector_tiles"])
-def prefill_tiles(request, monkeypatch):
-    """Both prefill paths: on AVX-512 (every head_dim here but 52 is a multiple of 16) the GEMM tiles,
-    and the vector-at-a-time tiles every other CPU runs."""
-    if request.param == "vector_tiles":
-        monkeypatch.setenv("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES", "1")
-    return request.param
-
-
 @pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap", NATIVE_PREFILL_CASES)
-def test_prefill_matches_reference(seed, hq, hkv, d, bs, dtype, cap, prefill_tiles):
+def test_prefill_matches_reference(seed, hq, hkv, d, bs, dtype, cap, attention_tiles):
     rng = np.random.default_rng(seed)
     prefixes, chunks = zip(*native_prefill_batch(bs))
     check_prefill(seed, rng, prefixes, chunks, POISONED_PREFILL, num_padding=3, num_q_heads=hq,
@@ -212,7 +214,7 @@ def test_prefill_matches_reference(seed, hq, hkv, d, bs, dtype, cap, prefill_til
                   soft_cap=cap, what="prefill")
 
 
-def test_prefill_random_chunks(seed, prefill_tiles):
+def test_prefill_random_chunks(seed, attention_tiles):
     """Random prefix and chunk lengths, bfloat16, soft cap, padding at the end."""
     rng = np.random.default_rng(seed)
     bs = 16
@@ -223,7 +225,7 @@ def test_prefill_random_chunks(seed, prefill_tiles):
                   soft_cap=8.0, what="prefill random chunks")
 
 
-def test_prefill_of_one_token_chunks_is_decode(seed, prefill_tiles):
+def test_prefill_of_one_token_chunks_is_decode(seed, attention_tiles):
     """A prefill whose chunks are all one token equals decode on the same cache."""
     rng = np.random.default_rng(seed)
     ctx = [1, 9, 33, 100]
@@ -232,7 +234,7 @@ def test_prefill_of_one_token_chunks_is_decode(seed, prefill_tiles):
     qsl = jnp.arange(len(ctx) + 1, dtype=jnp.int32)
     dec = paged_decode_attention_native(q, k, v, tables, lens, scale=0.125)
     pre = paged_prefill_attention_native(q, k, v, tables, lens, qsl, scale=0.125)
-    # The GEMM tiles sum each score over d in order, the decode tiles in 8-wide partial sums: a few ulp.
+    # The two paths sum each score over d in different orders: a few ulp.
     np.testing.assert_allclose(np.asarray(pre), np.asarray(dec), rtol=1e-5, atol=1e-5,
                                err_msg=f"seed={seed}")
 

@@ -303,7 +303,9 @@ struct Problem {
   Geometry g;
   float scale;
   float soft_cap;  // 0: none
-  bool gemm_tiles = false;  // prefill on AVX-512, head_dim % 16 == 0: PrefillTileAvx512
+  // On AVX-512: PrefillTileAvx512 for prefill tiles (head_dim % 16 == 0), DecodeTileAvx512 for decode
+  // ones (head_dim % 32 == 0)
+  enum class Tiles { kVector, kPrefillAvx512, kDecodeAvx512 } tiles = Tiles::kVector;
 };
 
 // n rows of one kv head of one page as float32: float pages are used in place, bfloat16 ones are
@@ -464,18 +466,24 @@ FERRY_CLONES void AttendTileF32Bf16(const Problem<float, uint16_t>& p, const Til
 void PrefillTileAvx512(const Problem<float, float>& p, const Tile& t, Scratch& sc);
 void PrefillTileAvx512(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc);
 void PrefillTileAvx512(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc);
+void DecodeTileAvx512(const Problem<float, float>& p, const Tile& t, Scratch& sc);
+void DecodeTileAvx512(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc);
+void DecodeTileAvx512(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc);
 bool UseAvx512Matmul();
 
 FERRY_INLINE void AttendTile(const Problem<float, float>& p, const Tile& t, Scratch& sc) {
-  if (p.gemm_tiles) return PrefillTileAvx512(p, t, sc);
+  if (p.tiles == Problem<float, float>::Tiles::kPrefillAvx512) return PrefillTileAvx512(p, t, sc);
+  if (p.tiles == Problem<float, float>::Tiles::kDecodeAvx512) return DecodeTileAvx512(p, t, sc);
   AttendTileF32(p, t, sc);
 }
 FERRY_INLINE void AttendTile(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc) {
-  if (p.gemm_tiles) return PrefillTileAvx512(p, t, sc);
+  if (p.tiles == Problem<uint16_t, uint16_t>::Tiles::kPrefillAvx512) return PrefillTileAvx512(p, t, sc);
+  if (p.tiles == Problem<uint16_t, uint16_t>::Tiles::kDecodeAvx512) return DecodeTileAvx512(p, t, sc);
   AttendTileBf16(p, t, sc);
 }
 FERRY_INLINE void AttendTile(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc) {
-  if (p.gemm_tiles) return PrefillTileAvx512(p, t, sc);
+  if (p.tiles == Problem<float, uint16_t>::Tiles::kPrefillAvx512) return PrefillTileAvx512(p, t, sc);
+  if (p.tiles == Problem<float, uint16_t>::Tiles::kDecodeAvx512) return DecodeTileAvx512(p, t, sc);
   AttendTileF32Bf16(p, t, sc);
 }
 
@@ -598,7 +606,7 @@ ffi::Error CheckCommon(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 template <typename TQ, typename TKV>
 Problem<TQ, TKV> MakeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g,
-                             float scale, float soft_cap, bool gemm_tiles) {
+                             float scale, float soft_cap, bool avx512_tiles, bool decode) {
   Problem<TQ, TKV> p;
   p.q = static_cast<const TQ*>(q.untyped_data());
   p.k = static_cast<const TKV*>(k.untyped_data());
@@ -608,7 +616,8 @@ Problem<TQ, TKV> MakeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer 
   p.g = g;
   p.scale = scale;
   p.soft_cap = soft_cap > 0.0f ? soft_cap : 0.0f;
-  p.gemm_tiles = gemm_tiles;
+  using Tiles = typename Problem<TQ, TKV>::Tiles;
+  p.tiles = !avx512_tiles ? Tiles::kVector : decode ? Tiles::kDecodeAvx512 : Tiles::kPrefillAvx512;
   return p;
 }
 
@@ -617,26 +626,27 @@ void ZeroRows(T* out, int64_t row0, int64_t nrows, int64_t row_elems) {
   std::memset(out + row0 * row_elems, 0, sizeof(T) * nrows * row_elems);
 }
 
-// The tiles over the dtype pair CheckCommon accepted.
-void RunAnyDtype(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                 ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g, float scale,
-                 float soft_cap, const std::vector<Tile>& tiles, bool gemm_tiles = false) {
-  const bool q_f32 = q.element_type() == ffi::DataType::F32;
-  const bool kv_f32 = k.element_type() == ffi::DataType::F32;
-  if (q_f32 && kv_f32) {
-    RunTiles(pool, MakeProblem<float, float>(q, k, v, tables, out, g, scale, soft_cap, gemm_tiles), tiles);
-  } else if (q_f32) {
-    RunTiles(pool, MakeProblem<float, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, gemm_tiles), tiles);
-  } else {
-    RunTiles(pool, MakeProblem<uint16_t, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, gemm_tiles), tiles);
-  }
-}
-
-// FERRY_NATIVE_ATTENTION_NO_GEMM_TILES=1 keeps prefill on the vector-at-a-time tiles (tests).
-bool UsePrefillGemmTiles(const Geometry& g) {
+// FERRY_NATIVE_ATTENTION_NO_GEMM_TILES=1 keeps prefill and decode on the vector-at-a-time tiles (tests).
+bool UseAvx512AttentionTiles(const Geometry& g) {
   const char* env = std::getenv("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES");
   if (env != nullptr && *env == '1') return false;
   return g.head_dim % 16 == 0 && UseAvx512Matmul();
+}
+
+// The tiles over the dtype pair CheckCommon accepted.
+void RunAnyDtype(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                 ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g, float scale,
+                 float soft_cap, const std::vector<Tile>& tiles, bool decode) {
+  const bool avx512_tiles = UseAvx512AttentionTiles(g) && (!decode || g.head_dim % 32 == 0);
+  const bool q_f32 = q.element_type() == ffi::DataType::F32;
+  const bool kv_f32 = k.element_type() == ffi::DataType::F32;
+  if (q_f32 && kv_f32) {
+    RunTiles(pool, MakeProblem<float, float>(q, k, v, tables, out, g, scale, soft_cap, avx512_tiles, decode), tiles);
+  } else if (q_f32) {
+    RunTiles(pool, MakeProblem<float, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, avx512_tiles, decode), tiles);
+  } else {
+    RunTiles(pool, MakeProblem<uint16_t, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, avx512_tiles, decode), tiles);
+  }
 }
 
 // ----------------------------------------------------------------------------- decode
@@ -662,7 +672,7 @@ ffi::Error DecodeBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
     for (int64_t h = 0; h < g.num_kv_heads; h += heads_per_tile)
       tiles.push_back(Tile{s, 1, static_cast<int64_t>(ctx[s]) - 1, s, h,
                            std::min(heads_per_tile, g.num_kv_heads - h)});
-  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, tiles);
+  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, tiles, /*decode=*/true);
   return ffi::Error::Success();
 }
 
@@ -683,8 +693,7 @@ ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   const int32_t* qsl = query_start_loc.typed_data();
   // Query tiles of ~32 query vectors (rows x group) share every K/V row they load; 64 for the GEMM
   // tiles (measured: 1.1-1.3x of 32 at 512-token chunks, the same at 128).
-  const bool gemm_tiles = UsePrefillGemmTiles(g);
-  const int64_t tile_rows = std::max<int64_t>(1, (gemm_tiles ? 64 : 32) / g.group);
+  const int64_t tile_rows = std::max<int64_t>(1, (UseAvx512AttentionTiles(g) ? 64 : 32) / g.group);
   std::vector<Tile> tiles;
   std::vector<char> covered(T, 0);
   for (int64_t s = 0; s < S; ++s) {
@@ -712,7 +721,7 @@ ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
     return a.first_pos + a.nrows > b.first_pos + b.nrows;
   });
-  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, tiles, gemm_tiles);
+  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, tiles, /*decode=*/false);
   return ffi::Error::Success();
 }
 
@@ -1216,6 +1225,198 @@ FERRY_AVX512 void PrefillTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& til
   }
 }
 
+// A decode tile on AVX-512: one query row; kv heads head0.. of one sequence, G query vectors each, taken
+// two at a time (an odd G's last one paired with itself, its twin's sums going to a spare slot). Per 16
+// keys of a page: the 2 x 16 dot products as 16 + 16 accumulators, each reduced to one register by a
+// transpose-add tree (SumTree16) and permuted to a register per query vector (lane = key); the online
+// softmax across that register; then acc += P · V, V's rows read once for both. K and V rows are read
+// in place, 32 elements at a time as two vectors (SplitRow): bfloat16 pairs split into their even and odd
+// elements, exactly widened, so q and acc are kept in that order (the same split of each 32 features:
+// PermuteForPages) and put back at the end. Where AttendTileImpl widened each page into scratch, reduced
+// every score horizontally and ran the softmax in scalar code. 64 sequences x 256 keys, 8 q / 4 kv heads,
+// D 64, bf16: 0.78 -> 0.40 ms on two threads (float32, bound by memory: 1.17 -> 1.01; notes, session 12).
+
+// Sixteen vectors -> one: lane 4k + j = the sum of a[k + 4j]'s lanes.
+FERRY_AVX512 FERRY_INLINE __m512 SumTree16(const __m512* a) {
+  __m512 r[8], s[4], u[2];
+  for (int i = 0; i < 8; ++i)  // quarters 0-1: a[2i]'s 8 partial sums, 2-3: a[2i + 1]'s
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // quarter k: a[4i + k]'s 4 partial sums
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // quarter k: 2 sums of a[8i + k], 2 of a[8i + 4 + k]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+constexpr int TreeLane(int a) { return 4 * (a % 4) + a / 4; }  // where SumTree16 puts a[a]'s sum
+
+// Elements 32c..32c + 31 of a row as two vectors: float32 in order; bfloat16 as the even elements
+// (each 32-bit lane's low half) and the odd ones (high), exactly widened.
+FERRY_AVX512 FERRY_INLINE void SplitRow(const float* row, int64_t c, __m512* lo, __m512* hi) {
+  *lo = _mm512_loadu_ps(row + 32 * c);
+  *hi = _mm512_loadu_ps(row + 32 * c + 16);
+}
+FERRY_AVX512 FERRY_INLINE void SplitRow(const uint16_t* row, int64_t c, __m512* lo, __m512* hi) {
+  const __m512i x = _mm512_loadu_si512(row + 32 * c);
+  *lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  *hi = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// Feature i's place in SplitRow's order: the identity for float32 pages; for bfloat16 ones, within
+// each 32, even features first, then odd.
+template <typename TKV>
+FERRY_INLINE int64_t PermuteForPages(int64_t i) {
+  if constexpr (std::is_same_v<TKV, float>) return i;
+  const int64_t j = i % 32;
+  return i - j + (j % 2) * 16 + j / 2;
+}
+
+template <typename TQ, typename TKV, int64_t kD>
+FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile, Scratch& sc) {
+  const Geometry& g = p.g;
+  const int64_t G = g.group, D = kD ? kD : g.head_dim, BS = g.block_size, NH = tile.nheads, C = D / 32;
+  const int64_t M = NH * G;  // query vectors: hh * G + gi; slot M: an odd G's twin
+  const int64_t max_keys_total = g.num_blocks > 0 ? g.table_width * BS : 0;
+  const int64_t keys = std::clamp<int64_t>(tile.first_pos + 1, 0, max_keys_total);
+  const int64_t q_row_stride = g.num_q_heads * D, kv_row_stride = g.num_kv_heads * D;
+  sc.Reserve(1, M + 1, 32, D);
+  float* qf = sc.q.data();
+  float* acc = sc.acc.data();
+  float* mx = sc.m.data();
+  float* l = sc.l.data();
+  float* pw = sc.s.data();  // the pair's 2 x 16 weights
+  const TQ* q_src = p.q + tile.row0 * q_row_stride + tile.head0 * G * D;
+  for (int64_t mi = 0; mi < M; ++mi)
+    for (int64_t i = 0; i < D; ++i) qf[mi * D + PermuteForPages<TKV>(i)] = ToF32(q_src[mi * D + i]) * p.scale;
+  std::fill(acc, acc + (M + 1) * D, 0.0f);
+  std::fill(mx, mx + M + 1, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + M + 1, 0.0f);
+
+  // Tree A holds keys 0-7 (accumulators 0-7: the first query vector, 8-15: the second), tree B keys 8-15.
+  alignas(64) int32_t pick[2][16];
+  for (int t = 0; t < 16; ++t) {
+    pick[0][t] = t < 8 ? TreeLane(t) : 16 + TreeLane(t - 8);
+    pick[1][t] = t < 8 ? TreeLane(t + 8) : 16 + TreeLane(t);
+  }
+  const __m512i pick0 = _mm512_load_si512(pick[0]), pick1 = _mm512_load_si512(pick[1]);
+  const int32_t* table = p.tables + tile.seq * g.table_width;
+  const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
+  const int64_t num_pages = (keys + BS - 1) / BS;
+  auto page_offset = [&](int64_t j) {  // element offset of (page j, row 0, head0, 0)
+    const int64_t block = std::clamp<int64_t>(table[j], 0, g.num_blocks - 1);
+    return (block * BS * g.num_kv_heads + tile.head0) * D;
+  };
+  for (int64_t j = 0; j < num_pages; ++j) {
+    const int64_t base = j * BS, n = std::min(BS, keys - base), offset = page_offset(j);
+    if (kPrefetchPages > 0 && j + kPrefetchPages < num_pages) {
+      const int64_t ahead = j + kPrefetchPages, rows = std::min(BS, keys - ahead * BS);
+      Prefetch(p.k + page_offset(ahead), rows, kv_row_stride, NH * D);
+      Prefetch(p.v + page_offset(ahead), rows, kv_row_stride, NH * D);
+    }
+    for (int64_t hh = 0; hh < NH; ++hh) {
+      for (int64_t c0 = 0; c0 < n; c0 += 16) {
+        const int64_t kc = std::min<int64_t>(16, n - c0);
+        const TKV* kr = p.k + offset + c0 * kv_row_stride + hh * D;
+        const TKV* vr = p.v + offset + c0 * kv_row_stride + hh * D;
+        const __mmask16 present = static_cast<__mmask16>((1u << kc) - 1u);
+        for (int64_t gi = 0; gi < G; gi += 2) {
+          const int64_t m0 = hh * G + gi, m1 = gi + 1 < G ? m0 + 1 : M;
+          const float* q0 = qf + m0 * D;
+          const float* q1 = qf + (gi + 1 < G ? m1 : m0) * D;
+          __m512 tree[2];
+          for (int half = 0; half < 2; ++half) {
+            __m512 dots[16];
+            FERRY_UNROLL for (int a = 0; a < 16; ++a) dots[a] = _mm512_setzero_ps();
+            for (int t = 0; t < 8; ++t) {
+              if (8 * half + t >= kc) break;  // absent keys' rows are never read (they may hold anything)
+              const TKV* row = kr + (8 * half + t) * kv_row_stride;
+              for (int64_t c = 0; c < C; ++c) {
+                __m512 lo, hi;
+                SplitRow(row, c, &lo, &hi);
+                dots[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 32 * c), lo, dots[t]);
+                dots[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 32 * c + 16), hi, dots[t]);
+                dots[t + 8] = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + 32 * c), lo, dots[t + 8]);
+                dots[t + 8] = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + 32 * c + 16), hi, dots[t + 8]);
+              }
+            }
+            tree[half] = SumTree16(dots);
+          }
+          __m512 scores[2] = {_mm512_permutex2var_ps(tree[0], pick0, tree[1]),
+                              _mm512_permutex2var_ps(tree[0], pick1, tree[1])};
+          const int64_t slots[2] = {m0, m1};
+          float alpha[2];
+          for (int v = 0; v < 2; ++v) {
+            const int64_t mi = slots[v];
+            if (cap > 0.0f) {  // in this vector's half of pw: the other's weights may be there already
+              float* capped = pw + 16 * v;
+              _mm512_storeu_ps(capped, scores[v]);
+              for (int t = 0; t < 16; ++t) capped[t] = cap * Tanh(capped[t] * inv_cap);
+              scores[v] = _mm512_loadu_ps(capped);
+            }
+            const float old_max = mx[mi];
+            const float new_max = std::max(old_max, _mm512_mask_reduce_max_ps(present, scores[v]));
+            const __m512 e = _mm512_maskz_mov_ps(
+                present, Exp512NonPositive(_mm512_sub_ps(scores[v], _mm512_set1_ps(new_max))));
+            // 0 on the first keys (old max -inf), 1 while the max holds.
+            alpha[v] = new_max > old_max ? std::exp(old_max - new_max) : 1.0f;
+            mx[mi] = new_max;
+            l[mi] = l[mi] * alpha[v] + _mm512_reduce_add_ps(e);
+            _mm512_storeu_ps(pw + 16 * v, e);
+          }
+          for (int64_t cb = 0; cb < C; cb += 2) {  // 64 features (two 32s) of both accumulators at a time
+            const int cn = static_cast<int>(std::min<int64_t>(2, C - cb));
+            __m512 a[2][4];
+            for (int v = 0; v < 2; ++v)
+              for (int u = 0; u < 4; ++u)
+                a[v][u] = u < 2 * cn ? _mm512_mul_ps(_mm512_loadu_ps(acc + slots[v] * D + 32 * cb + 16 * u),
+                                                     _mm512_set1_ps(alpha[v]))
+                                     : _mm512_setzero_ps();
+            for (int64_t t = 0; t < kc; ++t) {
+              const __m512 w0 = _mm512_set1_ps(pw[t]), w1 = _mm512_set1_ps(pw[16 + t]);
+              for (int c = 0; c < cn; ++c) {
+                __m512 lo, hi;
+                SplitRow(vr + t * kv_row_stride, cb + c, &lo, &hi);
+                a[0][2 * c] = _mm512_fmadd_ps(w0, lo, a[0][2 * c]);
+                a[0][2 * c + 1] = _mm512_fmadd_ps(w0, hi, a[0][2 * c + 1]);
+                a[1][2 * c] = _mm512_fmadd_ps(w1, lo, a[1][2 * c]);
+                a[1][2 * c + 1] = _mm512_fmadd_ps(w1, hi, a[1][2 * c + 1]);
+              }
+            }
+            for (int v = 0; v < 2; ++v)
+              for (int u = 0; u < 2 * cn; ++u) _mm512_storeu_ps(acc + slots[v] * D + 32 * cb + 16 * u, a[v][u]);
+          }
+        }
+      }
+    }
+  }
+
+  TQ* dst = p.out + tile.row0 * q_row_stride + tile.head0 * G * D;
+  for (int64_t mi = 0; mi < M; ++mi) {
+    const float inv = l[mi] > 0.0f ? 1.0f / l[mi] : 0.0f;
+    for (int64_t i = 0; i < D; ++i)
+      FromF32(l[mi] > 0.0f ? acc[mi * D + PermuteForPages<TKV>(i)] * inv : 0.0f, dst + mi * D + i);
+  }
+}
+
+template <typename TQ, typename TKV>
+void DecodeTileAvx512AnyD(const Problem<TQ, TKV>& p, const Tile& t, Scratch& sc) {
+  switch (p.g.head_dim) {  // common head dims get fully unrolled loops
+    case 64: return DecodeTileAvx512Of<TQ, TKV, 64>(p, t, sc);
+    case 128: return DecodeTileAvx512Of<TQ, TKV, 128>(p, t, sc);
+    default: return DecodeTileAvx512Of<TQ, TKV, 0>(p, t, sc);
+  }
+}
+
+void DecodeTileAvx512(const Problem<float, float>& p, const Tile& t, Scratch& sc) { DecodeTileAvx512AnyD(p, t, sc); }
+void DecodeTileAvx512(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc) {
+  DecodeTileAvx512AnyD(p, t, sc);
+}
+void DecodeTileAvx512(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc) { DecodeTileAvx512AnyD(p, t, sc); }
+
 void PrefillTileAvx512(const Problem<float, float>& p, const Tile& t, Scratch& sc) { PrefillTileAvx512Of(p, t, sc); }
 void PrefillTileAvx512(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc) {
   PrefillTileAvx512Of(p, t, sc);
@@ -1227,6 +1428,9 @@ bool UseDpbf16Matmul() { return false; }
 void PrefillTileAvx512(const Problem<float, float>&, const Tile&, Scratch&) {}
 void PrefillTileAvx512(const Problem<uint16_t, uint16_t>&, const Tile&, Scratch&) {}
 void PrefillTileAvx512(const Problem<float, uint16_t>&, const Tile&, Scratch&) {}
+void DecodeTileAvx512(const Problem<float, float>&, const Tile&, Scratch&) {}
+void DecodeTileAvx512(const Problem<uint16_t, uint16_t>&, const Tile&, Scratch&) {}
+void DecodeTileAvx512(const Problem<float, uint16_t>&, const Tile&, Scratch&) {}
 #endif
 
 struct MatmulWork {
