@@ -35,7 +35,7 @@ from engine.structured import CompiledGrammar, GrammarCompiler
 from models.loading import LoadedModel, load_model, unstack_layers
 from models.sharding import engine_devices, loading_device, make_mesh, shard_model
 from models.tokenizer import Tokenizer, load_tokenizer
-from models.transformer import pack_layer_kernels, packs_layer_kernels
+from models.transformer import pack_kernels, packs_kernels
 
 log = logging.getLogger("ferry")
 
@@ -157,8 +157,8 @@ class LLMEngine:
         model = shard_model(model, mesh)
         if not config.scan_layers:
             model = unstack_layers(model)
-        elif packs_layer_kernels(model.dtype, config.tensor_parallel_size):  # CPU: the native matmul's layout
-            model = dataclasses.replace(model, state=pack_layer_kernels(model.graphdef, model.state))
+        elif packs_kernels(model.dtype, config.tensor_parallel_size):  # CPU: the native matmul's layout
+            model = dataclasses.replace(model, state=pack_kernels(model.graphdef, model.state))
         load_s = time.perf_counter() - started
         tokenizer = tokenizer or model_tokenizer(model)
         self.model, self.config, self.tokenizer = model, config, tokenizer

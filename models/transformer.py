@@ -66,12 +66,12 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Linear):
-    """nnx.Linear, or inside the scanned layers on CPU (Transformer.scan_layers, pack_layer_kernels) one
-    layer of a packed stack: the kernel is the whole [num_layers, ...] parameter in native.pack_stacked's
-    layout and `layer` the scan's index, and the native stacked matmul reads that layer's panels where
-    they lie."""
+    """nnx.Linear, or on CPU with packed kernels (pack_kernels) the native stacked matmul over a kernel in
+    native.pack_stacked's layout: inside the scanned layers (Transformer.scan_layers) the whole
+    [num_layers, ...] parameter, `layer` the scan's index, its panels read where they lie; the LM head
+    a stack of one."""
 
-    layer = None  # int32 [] while the kernel is a packed stack; set by scan_layers
+    layer = None  # int32 [] while the kernel is a packed stack of the layers; set by scan_layers
     column_groups = 1  # the kernel's equal column parts (a fused [gate | up]: 2), each packed apart
 
     def __call__(self, x):
@@ -79,7 +79,8 @@ class Linear(nnx.Linear):
         if kernel.ndim == 2:
             y = matmul(x.astype(self.dtype), kernel)
         else:  # float32 sums, rounded once to the model's dtype as `matmul` does
-            y = native.stacked_matmul(x.astype(self.dtype), kernel, self.layer, n=self.out_features,
+            layer = 0 if self.layer is None else self.layer
+            y = native.stacked_matmul(x.astype(self.dtype), kernel, layer, n=self.out_features,
                                       groups=self.column_groups).astype(self.dtype)
         return y if self.bias is None else y + self.bias[...]
 
@@ -107,34 +108,37 @@ def _linear(cfg_in, cfg_out, bias, dtype, rngs):
                   kernel_init=_INIT, rngs=rngs)
 
 
-def packs_layer_kernels(dtype, tensor_parallel_size: int) -> bool:
-    """Whether the scanned layers' linears run on packed kernels (pack_layer_kernels): CPU, the native
-    library built, no tensor parallelism (XLA partitions the stacks' dots), float32 or bfloat16 weights.
+def packs_kernels(dtype, tensor_parallel_size: int) -> bool:
+    """Whether the scanned layers' linears and the LM head run on packed kernels (pack_kernels): CPU, the
+    native library built, no tensor parallelism (XLA partitions the stacks' dots), float32 or bfloat16
+    weights.
     XLA CPU widens a scanned bf16 stack to float32 whole on every step (8 layers of [512, 4096] took
     41-55 ms that way at 64-512 rows, the kernel 8.4-43 ms) and copies each layer's slice of a float32
     stack; the kernel also beats XLA's dot on float32 prefill rows: a [512, 4096] layer with its gate at
-    512 rows 4.97 against 5.17 ms (the dot plus the copy), [2048, 512] 2.50 against 2.65 (notes, session 12)."""
+    512 rows 4.97 against 5.17 ms (the dot plus the copy), [2048, 512] 2.50 against 2.65; and a [512, 32000]
+    bf16 head at 1 / 16 / 64 rows 0.64 / 1.22 / 2.88 ms against XLA's 1.41 / 1.88 / 3.67 (float32 64 rows
+    5.26 against 6.78, 16 rows 2.94 against 2.46; notes, session 12)."""
     if jax.default_backend() != "cpu" or tensor_parallel_size != 1 or not native.available():
         return False
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-def pack_layer_kernels(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
-    """A scanned model's state with its layers' linear kernels [L, K, N] replaced by their packed form
-    (native.pack_stacked), which only the native stacked matmul reads: call it where
-    packs_layer_kernels holds. `state` itself is left as it was (it may serve other engines); the
-    kernels are packed one at a time, and already packed ones kept."""
+def pack_kernels(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
+    """A scanned model's state with its layers' linear kernels [L, K, N] and its untied LM head [K, N]
+    (as a stack of one) replaced by their packed form (native.pack_stacked), which only the native
+    stacked matmul reads: call it where packs_kernels holds. `state` itself is left as it was (it may
+    serve other engines); the kernels are packed one at a time, and already packed ones kept."""
     groups = {path + ("kernel",): module.column_groups
               for path, module in nnx.iter_modules(nnx.merge(graphdef, state))
-              if isinstance(module, Linear) and path[:1] == ("layers",)}
+              if isinstance(module, Linear) and path[:1] in (("layers",), ("lm_head",))}
     pack = jax.jit(native.pack_stacked, static_argnums=1)
 
     def packed(path, leaf):
         names = tuple(getattr(key, "key", getattr(key, "name", None)) for key in path)
         names = names[:-1] if names[-1] == "value" else names
-        if names not in groups or leaf.ndim != 3:
+        if names not in groups or leaf.ndim != (3 if names[0] == "layers" else 2):
             return leaf
-        return pack(leaf, groups[names])
+        return pack(leaf if names[0] == "layers" else leaf[None], groups[names])
 
     return jax.tree_util.tree_map_with_path(packed, state)
 
@@ -144,7 +148,7 @@ def _is_kernel(path, _value) -> bool:
 
 
 def layer_kernels_packed(layers) -> bool:
-    """Whether a Transformer's layers hold packed kernels (pack_layer_kernels)."""
+    """Whether a Transformer's layers hold packed kernels (pack_kernels)."""
     return not isinstance(layers, nnx.List) and layers.mlp.down_proj.kernel[...].ndim == 4
 
 
@@ -325,7 +329,7 @@ class Transformer(nnx.Module):
         The scan's slice of a stacked array is a copy on XLA CPU: its library dots (YNNPACK) take
         static slices only, so every step copied each layer's weights (decode CPU time +35..39% at
         SmolLM2-135M's 30 x 576, batch 16, against per-layer arrays; jaxlib 0.10.2 and 0.11.2 alike).
-        Packed kernels (pack_layer_kernels: CPU, float32 or bfloat16) stay out of the scanned operands:
+        Packed kernels (pack_kernels: CPU, float32 or bfloat16) stay out of the scanned operands:
         the body closes over the whole stacks and each Linear's native stacked matmul reads its layer
         where it lies. The small parameters (norms, biases) are still sliced."""
         if isinstance(self.layers, nnx.List):
@@ -334,7 +338,7 @@ class Transformer(nnx.Module):
             return carry
         kernels_in_place = layer_kernels_packed(self.layers)
         if kernels_in_place and model_axis_size() != 1:
-            raise ValueError("packed layer kernels (pack_layer_kernels) run on one device; tensor parallelism "
+            raise ValueError("packed layer kernels (pack_kernels) run on one device; tensor parallelism "
                              "partitions the [num_layers, K, N] stacks")
         if kernels_in_place:
             graphdef, kernels, stacked = nnx.split(self.layers, _is_kernel, ...)

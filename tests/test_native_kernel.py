@@ -416,22 +416,22 @@ def test_stacked_matmul_rejects_bad_inputs():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_scanned_layers_read_packed_kernels_in_place(seed, dtype):
-    """With the layers' kernels packed (pack_layer_kernels, as the engine does on CPU), the compiled
-    decode and prefill steps run the scanned layers' four linears as stacked-matmul custom calls on the
-    whole packed stacks, and no dynamic-slice or copy of a layer's [K, N] kernel is left (XLA CPU copied
-    one per layer per step), nor a float32 copy of a bfloat16 stack (XLA CPU widens a bf16 scan operand
-    whole, every step). Logits match the unpacked model's (XLA's dots on the scan's slices)."""
+    """With the kernels packed (pack_kernels, as the engine does on CPU), the compiled decode and prefill
+    steps run the scanned layers' four linears as stacked-matmul custom calls on the whole packed stacks
+    (and the untied LM head on its own), and no dynamic-slice or copy of a layer's [K, N] kernel is left
+    (XLA CPU copied one per layer per step), nor a float32 copy of a bfloat16 stack (XLA CPU widens a bf16
+    scan operand whole, every step). Logits match the unpacked model's (XLA's dots on the scan's slices)."""
     from engine.packing import SeqSlice, StepLayout, pack
     from engine.step import model_step
     from models.config import ModelConfig
     from models.loading import random_model
     from models.paged import init_kv_cache
-    from models.transformer import pack_layer_kernels
+    from models.transformer import pack_kernels
 
     cfg = ModelConfig(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96,
                       num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
     model = random_model(cfg, dtype, seed=seed % (1 << 30))
-    packed_state = pack_layer_kernels(model.graphdef, model.state)
+    packed_state = pack_kernels(model.graphdef, model.state)
     kernel_shapes = {f"{k},{n}]" for k, n in [(64, 128), (64, 64), (64, 192), (96, 64)]}  # [.., K, N]
     rng = np.random.default_rng(seed)
     seqs = [SeqSlice([int(rng.integers(0, 128))], 5 + i, [1 + i]) for i in range(4)]
@@ -441,12 +441,14 @@ def test_scanned_layers_read_packed_kernels_in_place(seed, dtype):
         cache = init_kv_cache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, dtype)
         return model.graphdef, state, cache, pack(seqs, layout, 16), layout
 
-    stack = f"{'f32' if dtype == jnp.float32 else 'bf16'}[{cfg.num_layers},"
+    dt = 'f32' if dtype == jnp.float32 else 'bf16'
     for layout in (decode, prefill):
         lines = model_step.lower(*args(layout, packed_state)).compile().as_text().splitlines()
-        calls = [line for line in lines if "ferry_stacked_matmul" in line and "custom-call(" in line]
-        assert len(calls) == 4, calls
-        assert all(stack in line.split("operand_layout_constraints")[1] for line in calls), (stack, calls)
+        calls = [line.split("operand_layout_constraints")[1] for line in lines
+                 if "ferry_stacked_matmul" in line and "custom-call(" in line]
+        assert len(calls) == 5, calls  # the layers' four linears and the LM head (a stack of one)
+        assert sum(f"{dt}[{cfg.num_layers}," in line for line in calls) == 4, calls
+        assert sum(f"{dt}[1," in line for line in calls) == 1, calls
         copies = [line for line in lines if ("dynamic-slice(" in line or " copy(" in line or " convert(" in line)
                   and any(s in line.split("=")[1].split("{")[0] for s in kernel_shapes)]
         assert not copies, copies
