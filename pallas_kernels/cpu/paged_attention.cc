@@ -918,6 +918,15 @@ using PanelTileFn = void (*)(const Matmul&, const void* panel, int64_t r0, int64
     FERRY_UNROLL for (int v = 0; v < 4; ++v) if (16 * v < cols)                     \
       _mm512_mask_storeu_ps(y + 16 * v, LeadingLanes(cols - 16 * v), acc[r][v])
 
+// acc[r] += x[r * ldx] * b for the tile's MR rows (x: each row's element k).
+template <int MR>
+FERRY_AVX512 FERRY_INLINE void FmaRows(__m512 (&acc)[MR][4], const float* x, int64_t ldx, const __m512 (&b)[4]) {
+  FERRY_UNROLL for (int r = 0; r < MR; ++r) {
+    const __m512 a = _mm512_set1_ps(x[r * ldx]);
+    FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
+  }
+}
+
 // float32 panel, float32 x: per k, 4 loads of the panel's row and MR broadcasts of x.
 template <int MR>
 FERRY_AVX512 void PanelTileF32(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
@@ -930,10 +939,7 @@ FERRY_AVX512 void PanelTileF32(const Matmul& p, const void* panel, int64_t r0, i
   for (int64_t k = 0; k < p.k; ++k, w += kPanelCols) {
     __m512 b[4];
     FERRY_UNROLL for (int v = 0; v < 4; ++v) b[v] = _mm512_loadu_ps(w + 16 * v);
-    FERRY_UNROLL for (int r = 0; r < MR; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * p.k + k]);
-      FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
-    }
+    FmaRows<MR>(acc, x + k, p.k, b);
   }
   FERRY_STORE_TILE(acc);
 }
@@ -954,17 +960,11 @@ FERRY_AVX512 void PanelTileWidened(const Matmul& p, const void* panel, int64_t r
     __m512 b[4];
     FERRY_UNROLL for (int v = 0; v < 4; ++v)
       b[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + 16 * v), 16));
-    FERRY_UNROLL for (int r = 0; r < MR; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * p.k + k]);
-      FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
-    }
+    FmaRows<MR>(acc, x + k, p.k, b);
     if (k + 1 == p.k) break;
     FERRY_UNROLL for (int v = 0; v < 4; ++v)
       b[v] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w + 16 * v), high));
-    FERRY_UNROLL for (int r = 0; r < MR; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * p.k + k + 1]);
-      FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
-    }
+    FmaRows<MR>(acc, x + k + 1, p.k, b);
   }
   FERRY_STORE_TILE(acc);
 }
