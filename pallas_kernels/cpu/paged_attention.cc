@@ -344,6 +344,29 @@ FERRY_INLINE void Prefetch(const T* rows, int64_t n, int64_t row_stride, int64_t
   }
 }
 
+// A tile's walk over its sequence's pages: page j's element offset at (row 0, head0, 0), block ids clamped
+// into the pool, and the prefetch of page j + kPrefetchPages's rows (`row_elems` from head0) while page j
+// is used.
+struct TilePages {
+  const int32_t* table;
+  const Geometry& g;
+  int64_t head0, keys, count;
+  TilePages(const int32_t* tables, const Geometry& geometry, const Tile& tile, int64_t num_keys)
+      : table(tables + tile.seq * geometry.table_width), g(geometry), head0(tile.head0), keys(num_keys),
+        count((num_keys + geometry.block_size - 1) / geometry.block_size) {}
+  int64_t Offset(int64_t j) const {
+    const int64_t block = std::clamp<int64_t>(table[j], 0, g.num_blocks - 1);
+    return (block * g.block_size * g.num_kv_heads + head0) * g.head_dim;
+  }
+  template <typename T>
+  void PrefetchAhead(const T* k, const T* v, int64_t j, int64_t row_elems) const {
+    if (kPrefetchPages <= 0 || j + kPrefetchPages >= count) return;
+    const int64_t ahead = j + kPrefetchPages, rows = std::min(g.block_size, keys - ahead * g.block_size);
+    Prefetch(k + Offset(ahead), rows, g.num_kv_heads * g.head_dim, row_elems);
+    Prefetch(v + Offset(ahead), rows, g.num_kv_heads * g.head_dim, row_elems);
+  }
+};
+
 template <typename TQ, typename TKV, int64_t kD>
 FERRY_INLINE void AttendTileImpl(const Problem<TQ, TKV>& p, const Tile& tile, Scratch& sc) {
   const Geometry& g = p.g;
@@ -376,24 +399,14 @@ FERRY_INLINE void AttendTileImpl(const Problem<TQ, TKV>& p, const Tile& tile, Sc
   std::fill(mx, mx + M, -std::numeric_limits<float>::infinity());
   std::fill(l, l + M, 0.0f);
 
-  const int32_t* table = p.tables + tile.seq * g.table_width;
-  const int64_t num_pages = (max_keys + BS - 1) / BS;
+  const TilePages pages(p.tables, g, tile, max_keys);
   const float cap = p.soft_cap;
   const float inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
-  auto page_offset = [&](int64_t j) {  // element offset of (page j, row 0, head0, 0)
-    const int64_t block = std::clamp<int64_t>(table[j], 0, g.num_blocks - 1);
-    return (block * BS * g.num_kv_heads + tile.head0) * D;
-  };
-  for (int64_t j = 0; j < num_pages; ++j) {
+  for (int64_t j = 0; j < pages.count; ++j) {
     const int64_t base = j * BS;
     const int64_t n = std::min(BS, max_keys - base);
-    const int64_t offset = page_offset(j);
-    if (kPrefetchPages > 0 && j + kPrefetchPages < num_pages) {
-      const int64_t ahead = j + kPrefetchPages;
-      const int64_t rows = std::min(BS, max_keys - ahead * BS);
-      Prefetch(p.k + page_offset(ahead), rows, kv_row_stride, NH * D);
-      Prefetch(p.v + page_offset(ahead), rows, kv_row_stride, NH * D);
-    }
+    const int64_t offset = pages.Offset(j);
+    pages.PrefetchAhead(p.k, p.v, j, NH * D);
     for (int64_t hh = 0; hh < NH; ++hh) {
       int64_t ks = 0, vs = 0;
       const float* kr = PageRows(p.k + offset + hh * D, n, kv_row_stride, D, sc.k.data(), &ks);
@@ -1151,20 +1164,11 @@ FERRY_AVX512 void PrefillTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& til
   std::fill(mx, mx + lanes, -std::numeric_limits<float>::infinity());
   std::fill(l, l + lanes, 0.0f);
 
-  const int32_t* table = p.tables + tile.seq * g.table_width;
   const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
-  const int64_t num_pages = (max_keys + BS - 1) / BS;
-  auto page_offset = [&](int64_t j) {
-    const int64_t block = std::clamp<int64_t>(table[j], 0, g.num_blocks - 1);
-    return (block * BS * g.num_kv_heads + tile.head0) * D;
-  };
-  for (int64_t j = 0; j < num_pages; ++j) {
-    const int64_t base = j * BS, n = std::min(BS, max_keys - base), offset = page_offset(j);
-    if (kPrefetchPages > 0 && j + kPrefetchPages < num_pages) {
-      const int64_t ahead = j + kPrefetchPages, rows = std::min(BS, max_keys - ahead * BS);
-      Prefetch(p.k + page_offset(ahead), rows, kv_row_stride, D);
-      Prefetch(p.v + page_offset(ahead), rows, kv_row_stride, D);
-    }
+  const TilePages pages(p.tables, g, tile, max_keys);
+  for (int64_t j = 0; j < pages.count; ++j) {
+    const int64_t base = j * BS, n = std::min(BS, max_keys - base), offset = pages.Offset(j);
+    pages.PrefetchAhead(p.k, p.v, j, D);
     for (int64_t c0 = 0; c0 < n; c0 += 16) {
       const int64_t kc = std::min<int64_t>(16, n - c0);
       for (int64_t t = 0; t < kc; ++t) {
@@ -1303,20 +1307,11 @@ FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile
     pick[1][t] = t < 8 ? TreeLane(t + 8) : 16 + TreeLane(t);
   }
   const __m512i pick0 = _mm512_load_si512(pick[0]), pick1 = _mm512_load_si512(pick[1]);
-  const int32_t* table = p.tables + tile.seq * g.table_width;
   const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
-  const int64_t num_pages = (keys + BS - 1) / BS;
-  auto page_offset = [&](int64_t j) {  // element offset of (page j, row 0, head0, 0)
-    const int64_t block = std::clamp<int64_t>(table[j], 0, g.num_blocks - 1);
-    return (block * BS * g.num_kv_heads + tile.head0) * D;
-  };
-  for (int64_t j = 0; j < num_pages; ++j) {
-    const int64_t base = j * BS, n = std::min(BS, keys - base), offset = page_offset(j);
-    if (kPrefetchPages > 0 && j + kPrefetchPages < num_pages) {
-      const int64_t ahead = j + kPrefetchPages, rows = std::min(BS, keys - ahead * BS);
-      Prefetch(p.k + page_offset(ahead), rows, kv_row_stride, NH * D);
-      Prefetch(p.v + page_offset(ahead), rows, kv_row_stride, NH * D);
-    }
+  const TilePages pages(p.tables, g, tile, keys);
+  for (int64_t j = 0; j < pages.count; ++j) {
+    const int64_t base = j * BS, n = std::min(BS, keys - base), offset = pages.Offset(j);
+    pages.PrefetchAhead(p.k, p.v, j, NH * D);
     for (int64_t hh = 0; hh < NH; ++hh) {
       for (int64_t c0 = 0; c0 < n; c0 += 16) {
         const int64_t kc = std::min<int64_t>(16, n - c0);
