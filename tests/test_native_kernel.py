@@ -78,6 +78,7 @@ DECODE_CASES = [
     (16, 2, 96, 128, jnp.float32, 10.0),    # group 8, head_dim 96, block_size 128
     (7, 1, 52, 8, jnp.float32, 10.0),       # group 7 (not a power of two), head_dim 52 (tail)
     (8, 4, 32, 16, jnp.float32, None),      # the benchmark's shape, head_dim 32
+    (8, 4, 32, 16, jnp.bfloat16, 20.0),     # the same in bfloat16, soft cap
     (16, 16, 64, 16, jnp.bfloat16, 50.0),   # many heads, group 1, bfloat16, soft cap
     (6, 2, 64, 16, jnp.bfloat16, None),     # group 3: the AVX-512 tile's last query vector paired with itself
 ]

@@ -332,6 +332,17 @@ FERRY_INLINE const float* PageRows(const uint16_t* page, int64_t n, int64_t row_
 #define FERRY_PREFETCH_PAGES 2
 #endif
 constexpr int64_t kPrefetchPages = FERRY_PREFETCH_PAGES;  // how far ahead to prefetch pages (0: off)
+constexpr int kDecodeChunks = 4;  // DecodeTileAvx512: chunks of 16 keys per softmax step
+
+// An asm statement on x86-64, which the compiler keeps: GCC 12's dead-code elimination dropped every
+// __builtin_prefetch from the AVX-512 tiles (and from TileWork), so their pages were never prefetched.
+FERRY_INLINE void PrefetchLine(const char* p) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p);
+#endif
+}
 
 // Pages sit at random places and a tile reads short runs of each, which the hardware prefetcher
 // does not follow: ask for a later page's rows (of this tile's heads) while this one is used.
@@ -340,7 +351,7 @@ FERRY_INLINE void Prefetch(const T* rows, int64_t n, int64_t row_stride, int64_t
   const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T));
   for (int64_t t = 0; t < n; ++t) {
     const char* row = reinterpret_cast<const char*>(rows + t * row_stride);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+    for (int64_t b = 0; b < bytes; b += 64) PrefetchLine(row + b);
   }
 }
 
@@ -364,6 +375,17 @@ struct TilePages {
     const int64_t ahead = j + kPrefetchPages, rows = std::min(g.block_size, keys - ahead * g.block_size);
     Prefetch(k + Offset(ahead), rows, g.num_kv_heads * g.head_dim, row_elems);
     Prefetch(v + Offset(ahead), rows, g.num_kv_heads * g.head_dim, row_elems);
+  }
+  // The first pages, which no PrefetchAhead of this tile asks for: kPrefetchPages, or a decode tile's
+  // first kDecodeChunks chunks of 16 keys.
+  template <typename T>
+  void PrefetchFirst(const T* k, const T* v, int64_t row_elems) const {
+    const int64_t first = std::max<int64_t>(kPrefetchPages, (kDecodeChunks * 16 + g.block_size - 1) / g.block_size);
+    for (int64_t j = 0; j < std::min(first, count); ++j) {
+      const int64_t rows = std::min(g.block_size, keys - j * g.block_size);
+      Prefetch(k + Offset(j), rows, g.num_kv_heads * g.head_dim, row_elems);
+      Prefetch(v + Offset(j), rows, g.num_kv_heads * g.head_dim, row_elems);
+    }
   }
 };
 
@@ -544,13 +566,24 @@ void ParallelFor(ffi::ThreadPool* pool, int64_t count, int64_t helpers, const vo
   while (st->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
 }
 
+// Each thread, starting a tile, asks for the first pages of the tile `lookahead` items on (about the
+// next one it takes, items being handed out in order): a tile's own prefetch only covers its later pages.
 template <typename P>
 struct TileWork {
   const P* problem;
   const std::vector<Tile>* tiles;
+  int64_t lookahead;
   static void Run(const void* self, int64_t i) {
     const auto* w = static_cast<const TileWork*>(self);
-    AttendTile(*w->problem, (*w->tiles)[i], ThreadScratch());
+    const std::vector<Tile>& tiles = *w->tiles;
+    if (i + w->lookahead < static_cast<int64_t>(tiles.size())) {
+      const Tile& next = tiles[i + w->lookahead];
+      const Geometry& g = w->problem->g;
+      const int64_t max_keys = g.num_blocks > 0 ? g.table_width * g.block_size : 0;
+      TilePages(w->problem->tables, g, next, std::clamp<int64_t>(next.first_pos + next.nrows, 0, max_keys))
+          .PrefetchFirst(w->problem->k, w->problem->v, next.nheads * g.head_dim);
+    }
+    AttendTile(*w->problem, tiles[i], ThreadScratch());
   }
 };
 
@@ -566,7 +599,7 @@ void RunTiles(ffi::ThreadPool& pool, const P& problem, const std::vector<Tile>& 
     work += t.nrows * t.nheads * std::max<int64_t>(t.first_pos + t.nrows, 1);
   work *= problem.g.group * problem.g.head_dim;
   if (work < (int64_t{1} << 20)) threads = 1;
-  TileWork<P> w{&problem, &tiles};
+  TileWork<P> w{&problem, &tiles, threads};
   ParallelFor(&pool, static_cast<int64_t>(tiles.size()), threads - 1, &w, &TileWork<P>::Run);
 }
 
@@ -1230,15 +1263,19 @@ FERRY_AVX512 void PrefillTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& til
 }
 
 // A decode tile on AVX-512: one query row; kv heads head0.. of one sequence, G query vectors each, taken
-// two at a time (an odd G's last one paired with itself, its twin's sums going to a spare slot). Per 16
-// keys of a page: the 2 x 16 dot products as 16 + 16 accumulators, each reduced to one register by a
-// transpose-add tree (SumTree16) and permuted to a register per query vector (lane = key); the online
-// softmax across that register; then acc += P · V, V's rows read once for both. K and V rows are read
-// in place, 32 elements at a time as two vectors (SplitRow): bfloat16 pairs split into their even and odd
-// elements, exactly widened, so q and acc are kept in that order (the same split of each 32 features:
-// PermuteForPages) and put back at the end. Where AttendTileImpl widened each page into scratch, reduced
-// every score horizontally and ran the softmax in scalar code. 64 sequences x 256 keys, 8 q / 4 kv heads,
-// D 64, bf16: 0.78 -> 0.40 ms on two threads (float32, bound by memory: 1.17 -> 1.01; notes, session 12).
+// two at a time (an odd G's last one paired with itself, its twin's sums going to a spare slot). Per chunk
+// of up to 16 keys: the 2 x 16 dot products as 16 + 16 accumulators, each reduced to one register by a
+// transpose-add tree (SumTree16) and permuted to a register per query vector (lane = key). The online
+// softmax takes kDecodeChunks chunks (64 keys) a step, its horizontal max and sum once per step; then
+// acc += P · V, V's rows read once for both vectors. K and V rows are read in place, 32 elements at a
+// time as two vectors (SplitRow): bfloat16 pairs split into their even and odd elements, exactly widened,
+// so q and acc are kept in that order (the same split of each 32 features: PermuteForPages) and put back
+// at the end. Where AttendTileImpl widened each page into scratch, reduced every score horizontally and
+// ran the softmax in scalar code. 64 sequences x 256 keys, 8 q / 4 kv heads, D 64, bf16: 0.78 -> 0.40 ms
+// on two threads (float32, bound by memory: 1.17 -> 1.01; notes, session 12). Session 13: 64 keys a
+// softmax step, a branch-free dot loop (it had kept its 16 sums on the stack) and prefetches that run
+// (see PrefetchLine), spread a line per line read: from DRAM, 64 x 208 keys D 32 bf16 0.85 -> 0.37 ms,
+// D 64 1.1-1.4 -> 0.70 ms.
 
 // Sixteen vectors -> one: lane 4k + j = the sum of a[k + 4j]'s lanes.
 FERRY_AVX512 FERRY_INLINE __m512 SumTree16(const __m512* a) {
@@ -1279,6 +1316,31 @@ FERRY_INLINE int64_t PermuteForPages(int64_t i) {
   return i - j + (j % 2) * 16 + j / 2;
 }
 
+// Keys c0.. of a page, up to 16: a decode tile takes kDecodeChunks of them per softmax step.
+struct KeyChunk {
+  int64_t offset, kc;  // element offset of the chunk's first K/V row (the tile's first head); keys present
+};
+// A tile's keys as chunks, in order.
+struct ChunkWalk {
+  const TilePages& pages;
+  int64_t block_size, keys, row_stride, j = 0, c0 = 0;  // the next chunk: keys c0.. of page j
+  bool Done() const { return j >= pages.count; }
+  KeyChunk Next() {
+    const int64_t n = std::min(block_size, keys - j * block_size);
+    const KeyChunk c{pages.Offset(j) + c0 * row_stride, std::min<int64_t>(16, n - c0)};
+    c0 += 16;
+    if (c0 >= n) ++j, c0 = 0;
+    return c;
+  }
+};
+
+template <typename T>
+FERRY_INLINE void PrefetchElems32(const T* p) {  // one line of bfloat16, two of float32
+  PrefetchLine(reinterpret_cast<const char*>(p));
+  if constexpr (sizeof(T) == 4) PrefetchLine(reinterpret_cast<const char*>(p + 16));
+}
+FERRY_INLINE __mmask16 KeyMask(int64_t kc) { return static_cast<__mmask16>((1u << kc) - 1u); }
+
 template <typename TQ, typename TKV, int64_t kD>
 FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile, Scratch& sc) {
   const Geometry& g = p.g;
@@ -1287,12 +1349,12 @@ FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile
   const int64_t max_keys_total = g.num_blocks > 0 ? g.table_width * BS : 0;
   const int64_t keys = std::clamp<int64_t>(tile.first_pos + 1, 0, max_keys_total);
   const int64_t q_row_stride = g.num_q_heads * D, kv_row_stride = g.num_kv_heads * D;
-  sc.Reserve(1, M + 1, 32, D);
+  sc.Reserve(1, M + 1, 2 * kDecodeChunks * 16, D);
   float* qf = sc.q.data();
   float* acc = sc.acc.data();
   float* mx = sc.m.data();
   float* l = sc.l.data();
-  float* pw = sc.s.data();  // the pair's 2 x 16 weights
+  float* pw = sc.s.data();  // the pair's 2 x kDecodeChunks x 16 weights
   const TQ* q_src = p.q + tile.row0 * q_row_stride + tile.head0 * G * D;
   for (int64_t mi = 0; mi < M; ++mi)
     for (int64_t i = 0; i < D; ++i) qf[mi * D + PermuteForPages<TKV>(i)] = ToF32(q_src[mi * D + i]) * p.scale;
@@ -1309,27 +1371,37 @@ FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile
   const __m512i pick0 = _mm512_load_si512(pick[0]), pick1 = _mm512_load_si512(pick[1]);
   const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   const TilePages pages(p.tables, g, tile, keys);
-  for (int64_t j = 0; j < pages.count; ++j) {
-    const int64_t base = j * BS, n = std::min(BS, keys - base), offset = pages.Offset(j);
-    pages.PrefetchAhead(p.k, p.v, j, NH * D);
+  // `ahead` walks kDecodeChunks chunks in front: each K/V line read asks for the same line there, so
+  // the prefetches spread over the work (a page's worth at once stalls the core on its miss buffers).
+  ChunkWalk walk{pages, BS, keys, kv_row_stride};
+  ChunkWalk ahead = walk;
+  for (int i = 0; i < kDecodeChunks && !ahead.Done(); ++i) ahead.Next();
+  while (!walk.Done()) {
+    KeyChunk chunk[kDecodeChunks], next[kDecodeChunks];
+    int nc = 0;
+    for (; nc < kDecodeChunks && !walk.Done(); ++nc) {
+      chunk[nc] = walk.Next();
+      next[nc] = ahead.Done() ? chunk[nc] : ahead.Next();  // past the end: lines already in cache
+    }
     for (int64_t hh = 0; hh < NH; ++hh) {
-      for (int64_t c0 = 0; c0 < n; c0 += 16) {
-        const int64_t kc = std::min<int64_t>(16, n - c0);
-        const TKV* kr = p.k + offset + c0 * kv_row_stride + hh * D;
-        const TKV* vr = p.v + offset + c0 * kv_row_stride + hh * D;
-        const __mmask16 present = static_cast<__mmask16>((1u << kc) - 1u);
-        for (int64_t gi = 0; gi < G; gi += 2) {
-          const int64_t m0 = hh * G + gi, m1 = gi + 1 < G ? m0 + 1 : M;
-          const float* q0 = qf + m0 * D;
-          const float* q1 = qf + (gi + 1 < G ? m1 : m0) * D;
+      for (int64_t gi = 0; gi < G; gi += 2) {
+        const int64_t m0 = hh * G + gi, m1 = gi + 1 < G ? m0 + 1 : M;
+        const float* q0 = qf + m0 * D;
+        const float* q1 = qf + (gi + 1 < G ? m1 : m0) * D;
+        __m512 scores[2][kDecodeChunks];
+        for (int ci = 0; ci < nc; ++ci) {
+          const TKV* kr = p.k + chunk[ci].offset + hh * D;
+          const TKV* k_ahead = p.k + next[ci].offset + hh * D;
           __m512 tree[2];
-          for (int half = 0; half < 2; ++half) {
+          FERRY_UNROLL for (int half = 0; half < 2; ++half) {
             __m512 dots[16];
             FERRY_UNROLL for (int a = 0; a < 16; ++a) dots[a] = _mm512_setzero_ps();
-            for (int t = 0; t < 8; ++t) {
-              if (8 * half + t >= kc) break;  // absent keys' rows are never read (they may hold anything)
-              const TKV* row = kr + (8 * half + t) * kv_row_stride;
+            FERRY_UNROLL for (int t = 0; t < 8; ++t) {
+              // An absent key reads the last present row (its own may hold anything; KeyMask drops it):
+              // no branch, so the 16 sums stay in registers.
+              const TKV* row = kr + std::min<int64_t>(8 * half + t, chunk[ci].kc - 1) * kv_row_stride;
               for (int64_t c = 0; c < C; ++c) {
+                if (gi == 0) PrefetchElems32(k_ahead + (8 * half + t) * kv_row_stride + 32 * c);
                 __m512 lo, hi;
                 SplitRow(row, c, &lo, &hi);
                 dots[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 32 * c), lo, dots[t]);
@@ -1340,50 +1412,66 @@ FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile
             }
             tree[half] = SumTree16(dots);
           }
-          __m512 scores[2] = {_mm512_permutex2var_ps(tree[0], pick0, tree[1]),
-                              _mm512_permutex2var_ps(tree[0], pick1, tree[1])};
-          const int64_t slots[2] = {m0, m1};
-          float alpha[2];
-          for (int v = 0; v < 2; ++v) {
-            const int64_t mi = slots[v];
-            if (cap > 0.0f) {  // in this vector's half of pw: the other's weights may be there already
-              float* capped = pw + 16 * v;
-              _mm512_storeu_ps(capped, scores[v]);
-              for (int t = 0; t < 16; ++t) capped[t] = cap * Tanh(capped[t] * inv_cap);
-              scores[v] = _mm512_loadu_ps(capped);
+          scores[0][ci] = _mm512_permutex2var_ps(tree[0], pick0, tree[1]);
+          scores[1][ci] = _mm512_permutex2var_ps(tree[0], pick1, tree[1]);
+        }
+        const int64_t slots[2] = {m0, m1};
+        float alpha[2];
+        for (int v = 0; v < 2; ++v) {
+          const int64_t mi = slots[v];
+          float* w = pw + kDecodeChunks * 16 * v;  // this vector's weights: the other's may be there already
+          __m512 chunk_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          for (int ci = 0; ci < nc; ++ci) {
+            if (cap > 0.0f) {
+              _mm512_storeu_ps(w, scores[v][ci]);
+              for (int t = 0; t < 16; ++t) w[t] = cap * Tanh(w[t] * inv_cap);
+              scores[v][ci] = _mm512_loadu_ps(w);
             }
-            const float old_max = mx[mi];
-            const float new_max = std::max(old_max, _mm512_mask_reduce_max_ps(present, scores[v]));
-            const __m512 e = _mm512_maskz_mov_ps(
-                present, Exp512NonPositive(_mm512_sub_ps(scores[v], _mm512_set1_ps(new_max))));
-            // 0 on the first keys (old max -inf), 1 while the max holds.
-            alpha[v] = new_max > old_max ? std::exp(old_max - new_max) : 1.0f;
-            mx[mi] = new_max;
-            l[mi] = l[mi] * alpha[v] + _mm512_reduce_add_ps(e);
-            _mm512_storeu_ps(pw + 16 * v, e);
+            chunk_max = _mm512_mask_max_ps(chunk_max, KeyMask(chunk[ci].kc), chunk_max, scores[v][ci]);
           }
-          for (int64_t cb = 0; cb < C; cb += 2) {  // 64 features (two 32s) of both accumulators at a time
-            const int cn = static_cast<int>(std::min<int64_t>(2, C - cb));
-            __m512 a[2][4];
-            for (int v = 0; v < 2; ++v)
-              for (int u = 0; u < 4; ++u)
-                a[v][u] = u < 2 * cn ? _mm512_mul_ps(_mm512_loadu_ps(acc + slots[v] * D + 32 * cb + 16 * u),
-                                                     _mm512_set1_ps(alpha[v]))
-                                     : _mm512_setzero_ps();
-            for (int64_t t = 0; t < kc; ++t) {
-              const __m512 w0 = _mm512_set1_ps(pw[t]), w1 = _mm512_set1_ps(pw[16 + t]);
+          const float old_max = mx[mi];
+          const float new_max = std::max(old_max, _mm512_reduce_max_ps(chunk_max));
+          const __m512 new_max_v = _mm512_set1_ps(new_max);
+          __m512 sum = _mm512_setzero_ps();
+          for (int ci = 0; ci < nc; ++ci) {
+            const __m512 e = _mm512_maskz_mov_ps(KeyMask(chunk[ci].kc),
+                                                 Exp512NonPositive(_mm512_sub_ps(scores[v][ci], new_max_v)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_storeu_ps(w + 16 * ci, e);
+          }
+          // 0 on the first keys (old max -inf), 1 while the max holds.
+          alpha[v] = new_max > old_max ? std::exp(old_max - new_max) : 1.0f;
+          mx[mi] = new_max;
+          l[mi] = l[mi] * alpha[v] + _mm512_reduce_add_ps(sum);
+        }
+        for (int64_t cb = 0; cb < C; cb += 2) {  // 64 features (two 32s) of both accumulators at a time
+          const int cn = static_cast<int>(std::min<int64_t>(2, C - cb));
+          __m512 a[2][4];
+          for (int v = 0; v < 2; ++v)
+            for (int u = 0; u < 4; ++u)
+              a[v][u] = u < 2 * cn ? _mm512_mul_ps(_mm512_loadu_ps(acc + slots[v] * D + 32 * cb + 16 * u),
+                                                   _mm512_set1_ps(alpha[v]))
+                                   : _mm512_setzero_ps();
+          for (int ci = 0; ci < nc; ++ci) {
+            const TKV* vr = p.v + chunk[ci].offset + hh * D;
+            const TKV* v_ahead = p.v + next[ci].offset + hh * D;
+            const float* w0 = pw + 16 * ci;
+            const float* w1 = pw + kDecodeChunks * 16 + 16 * ci;
+            for (int64_t t = 0; t < chunk[ci].kc; ++t) {
+              const __m512 b0 = _mm512_set1_ps(w0[t]), b1 = _mm512_set1_ps(w1[t]);
               for (int c = 0; c < cn; ++c) {
+                if (gi == 0) PrefetchElems32(v_ahead + t * kv_row_stride + 32 * (cb + c));
                 __m512 lo, hi;
                 SplitRow(vr + t * kv_row_stride, cb + c, &lo, &hi);
-                a[0][2 * c] = _mm512_fmadd_ps(w0, lo, a[0][2 * c]);
-                a[0][2 * c + 1] = _mm512_fmadd_ps(w0, hi, a[0][2 * c + 1]);
-                a[1][2 * c] = _mm512_fmadd_ps(w1, lo, a[1][2 * c]);
-                a[1][2 * c + 1] = _mm512_fmadd_ps(w1, hi, a[1][2 * c + 1]);
+                a[0][2 * c] = _mm512_fmadd_ps(b0, lo, a[0][2 * c]);
+                a[0][2 * c + 1] = _mm512_fmadd_ps(b0, hi, a[0][2 * c + 1]);
+                a[1][2 * c] = _mm512_fmadd_ps(b1, lo, a[1][2 * c]);
+                a[1][2 * c + 1] = _mm512_fmadd_ps(b1, hi, a[1][2 * c + 1]);
               }
             }
-            for (int v = 0; v < 2; ++v)
-              for (int u = 0; u < 2 * cn; ++u) _mm512_storeu_ps(acc + slots[v] * D + 32 * cb + 16 * u, a[v][u]);
           }
+          for (int v = 0; v < 2; ++v)
+            for (int u = 0; u < 2 * cn; ++u) _mm512_storeu_ps(acc + slots[v] * D + 32 * cb + 16 * u, a[v][u]);
         }
       }
     }
@@ -1400,6 +1488,7 @@ FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile
 template <typename TQ, typename TKV>
 void DecodeTileAvx512AnyD(const Problem<TQ, TKV>& p, const Tile& t, Scratch& sc) {
   switch (p.g.head_dim) {  // common head dims get fully unrolled loops
+    case 32: return DecodeTileAvx512Of<TQ, TKV, 32>(p, t, sc);
     case 64: return DecodeTileAvx512Of<TQ, TKV, 64>(p, t, sc);
     case 128: return DecodeTileAvx512Of<TQ, TKV, 128>(p, t, sc);
     default: return DecodeTileAvx512Of<TQ, TKV, 0>(p, t, sc);
