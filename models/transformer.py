@@ -82,6 +82,13 @@ class Linear(nnx.Linear):
             y = self.packed_matmul(x).astype(self.dtype)
         return y if self.bias is None else y + self.bias[...]
 
+    def float32_out(self, x):
+        """self(x).astype(float32): the LM head's logits. A packed kernel rounds its float32 sums to the
+        model dtype's precision as it stores them, where XLA converted [rows, vocab] to the dtype and back."""
+        if self.kernel[...].ndim == 4 and self.bias is None:
+            return self.packed_matmul(x, round_to=self.dtype)
+        return self(x).astype(jnp.float32)
+
     def packed_matmul(self, x, **kwargs):
         """native.stacked_matmul of x over this packed kernel (its layer of the stack; the head: 0)."""
         layer = 0 if self.layer is None else self.layer
@@ -312,7 +319,7 @@ class Transformer(nnx.Module):
         if cfg.tie_word_embeddings:
             logits = matmul(x.astype(self.dtype), self.embed_tokens.embedding[...], transpose_w=True)
         else:
-            logits = self.lm_head(x)
+            logits = self.lm_head.float32_out(x)
         if model_axis_size() > 1:
             # Vocabulary-sharded rows, then one all-gather of them for the sampler: left free, XLA may
             # all-gather the [hidden, vocab] head instead (seen for prefill), gigabytes on a real model.

@@ -59,7 +59,7 @@ DECODE_TARGET = "ferry_paged_decode_attention"
 PREFILL_TARGET = "ferry_paged_prefill_attention"
 KV_WRITE_TARGET = "ferry_kv_write"
 STACKED_MATMUL_TARGET = "ferry_stacked_matmul"
-ABI_VERSION = 5  # FerryPagedAttentionAbiVersion() in the .cc
+ABI_VERSION = 6  # FerryPagedAttentionAbiVersion() in the .cc
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -376,7 +376,7 @@ def unpack_stacked(packed, k: int, n: int, groups: int = 1):
 
 
 def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | None = None,
-                   dtype=jnp.float32):
+                   dtype=jnp.float32, round_to=None):
     """x [..., K] @ w[layer] -> [..., n], float32, where packed_w = pack_stacked(w, groups) for w [L, K, n]
     (float32, or bfloat16: widened exactly as it is read, the sums in float32), x float32 (or bfloat16
     under bfloat16 weights: on a CPU with AVX512-BF16 its pairs of products go through the bf16 dot
@@ -388,7 +388,11 @@ def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | 
     `gated` ("silu" or "gelu_tanh", groups 2): the columns are a fused [gate | up] projection and the
     result is gated_activation(sums, dtype) [..., n / 2] in `dtype` (float32 or bfloat16), applied on
     AVX-512 to each panel's sums while they are in cache (a bf16 MLP's float32 [M, 2I] round trip
-    through memory was a tenth of its prefill step)."""
+    through memory was a tenth of its prefill step).
+
+    `round_to` (not gated; None, float32 or bfloat16): the float32 result rounded to that dtype's precision,
+    y.astype(round_to).astype(float32) in one pass, as a bf16 LM head's logits reach the sampler (XLA's two
+    converts of [64, 32000] logits cost ~0.5 ms a step)."""
     if not available():
         raise RuntimeError(f"native CPU stacked matmul unavailable: {unavailable_reason()}")
     if packed_w.dtype not in SUPPORTED_DTYPES or x.dtype not in {jnp.dtype(jnp.float32), packed_w.dtype}:
@@ -399,6 +403,10 @@ def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | 
         raise ValueError(f"native stacked matmul: packed_w must be pack_stacked(w [L, K, {n}], groups={groups}) "
                          f"for x [..., K]; got x {x.shape}, packed_w {packed_w.shape}")
     width = n
+    round_bf16 = round_to is not None and jnp.dtype(round_to) == jnp.bfloat16
+    if round_to is not None and (gated is not None or jnp.dtype(round_to) not in SUPPORTED_DTYPES):
+        raise ValueError(f"native stacked matmul: round_to is float32 or bfloat16, and not gated; got "
+                         f"{round_to!r}, gated {gated!r}")
     if gated is not None:
         if gated not in GATED_ACTIVATIONS or groups != 2 or jnp.dtype(dtype) not in SUPPORTED_DTYPES:
             raise ValueError(f"native gated stacked matmul: act one of {GATED_ACTIVATIONS}, groups 2 and a "
@@ -409,7 +417,8 @@ def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | 
                             jax.ShapeDtypeStruct((rows.shape[0], width), dtype if gated else jnp.float32),
                             vmap_method="sequential")
     y = call(rows, packed_w, jnp.asarray(layer, jnp.int32).reshape(()),
-             act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)), groups=np.int32(groups))
+             act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)), groups=np.int32(groups),
+             round_bf16=np.int32(round_bf16))
     return y.reshape(*x.shape[:-1], width)
 
 

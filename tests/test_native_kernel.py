@@ -355,6 +355,11 @@ def test_stacked_matmul_matches_dot(seed, x_dtype, w_dtype, path, monkeypatch):
         batch = x if m > 1 else jnp.concatenate([x, x])
         np.testing.assert_array_equal(np.asarray(matmul(batch[-1:], packed, 1))[0],
                                       np.asarray(matmul(batch, packed, 1))[-1])
+        # round_to: the sums at that dtype's precision, as XLA's converts to it and back give them
+        sums = matmul(x, packed, 1)
+        for dtype in (jnp.bfloat16, jnp.float32):
+            np.testing.assert_array_equal(np.asarray(matmul(x, packed, 1, round_to=dtype)),
+                                          np.asarray(sums.astype(dtype).astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,path", [
@@ -411,6 +416,8 @@ def test_stacked_matmul_rejects_bad_inputs():
         native.stacked_matmul(x, w, 0, n=4, groups=2)  # packed as one part
     with pytest.raises(ValueError, match="groups 2"):
         native.stacked_matmul(x, w, 0, n=4, gated="silu")
+    with pytest.raises(ValueError, match="round_to"):
+        native.stacked_matmul(x, w, 0, n=4, round_to=jnp.float16)
     with pytest.raises(ValueError, match="equal parts"):
         native.pack_stacked(jnp.zeros((1, 8, 5)), 2)
 
@@ -429,11 +436,11 @@ def test_scanned_layers_read_packed_kernels_in_place(seed, dtype):
     from models.paged import init_kv_cache
     from models.transformer import pack_kernels
 
-    cfg = ModelConfig(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96,
+    cfg = ModelConfig(model_type="llama", vocab_size=160, hidden_size=64, intermediate_size=96,
                       num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
     model = random_model(cfg, dtype, seed=seed % (1 << 30))
     packed_state = pack_kernels(model.graphdef, model.state)
-    kernel_shapes = {f"{k},{n}]" for k, n in [(64, 128), (64, 64), (64, 192), (96, 64)]}  # [.., K, N]
+    kernel_shapes = {f"{k},{n}]" for k, n in [(64, 160), (64, 128), (64, 64), (64, 192), (96, 64)]}  # [.., K, N]
     rng = np.random.default_rng(seed)
     seqs = [SeqSlice([int(rng.integers(0, 128))], 5 + i, [1 + i]) for i in range(4)]
     decode, prefill = StepLayout(4, 4, 1, 4, decode=True), StepLayout(16, 4, 1, 4, decode=False)
@@ -453,6 +460,9 @@ def test_scanned_layers_read_packed_kernels_in_place(seed, dtype):
         copies = [line for line in lines if ("dynamic-slice(" in line or " copy(" in line or " convert(" in line)
                   and any(s in line.split("=")[1].split("{")[0] for s in kernel_shapes)]
         assert not copies, copies
+        # The head's float32 sums leave the kernel at bf16's precision: no bf16 logits array, no converts
+        bf16_logits = [line for line in lines if f"bf16[{layout.num_logits},{cfg.vocab_size}]" in line]
+        assert not bf16_logits, bf16_logits
 
     unpacked = model_step(*args(decode, model.state))[0]
     tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16: one rounding of each linear's float32 sum, both ways

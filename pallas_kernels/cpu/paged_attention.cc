@@ -95,6 +95,7 @@ FERRY_INLINE float ToF32(float x) { return x; }
 FERRY_INLINE float ToF32(uint16_t x) { return Bf16ToF32(x); }
 FERRY_INLINE void FromF32(float x, float* dst) { *dst = x; }
 FERRY_INLINE void FromF32(float x, uint16_t* dst) { *dst = F32ToBf16(x); }
+FERRY_INLINE float RoundedToBf16(float x) { return Bf16ToF32(F32ToBf16(x)); }  // float(bfloat16(x))
 
 // exp(x) for x in [-87, 88] (float32 neither under- nor overflows): Cephes-style range reduction and a
 // degree-6 polynomial, ~2 ulp, written without calls or branches so the loops using it vectorise.
@@ -846,6 +847,9 @@ struct Matmul {
   int act = -1;
   void* gated_out = nullptr;
   bool gated_bf16 = false;
+  // Not gated: y's sums rounded to bfloat16's precision, kept float32 (a bf16 LM head's logits as the
+  // sampler reads them, without a bf16 array between; see RoundedToBf16).
+  bool round_bf16 = false;
   int64_t PanelElems() const { return w_bf16 ? (k + 1) / 2 * 2 * kPanelCols : k * kPanelCols; }
   const void* Panel(int64_t p) const {
     return static_cast<const char*>(w) + p * PanelElems() * (w_bf16 ? 2 : 4);
@@ -951,6 +955,16 @@ FERRY_AVX512 FERRY_INLINE __m512 LoadWeights(const uint16_t* w, __mmask16 m) {
   return _mm512_castsi512_ps(LoadBf16Lanes(w, m, 16));
 }
 
+// RoundedToBf16 on 16 lanes: round to nearest even at bfloat16's precision (NaN stays NaN, made quiet).
+FERRY_AVX512 FERRY_INLINE __m512 RoundedToBf16x16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i sum = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  const __m512i nan = _mm512_or_si512(u, _mm512_set1_epi32(0x400000));
+  const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), sum, nan);
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 FERRY_INLINE __mmask16 LeadingLanes(int64_t count) {  // the first min(count, 16) lanes
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
 }
@@ -960,6 +974,9 @@ FERRY_INLINE __mmask16 LeadingLanes(int64_t count) {  // the first min(count, 16
 using PanelTileFn = void (*)(const Matmul&, const void* panel, int64_t r0, int64_t cols, float* y, int64_t ldy);
 
 #define FERRY_STORE_TILE(acc)                                                       \
+  if (p.round_bf16)                                                                 \
+    FERRY_UNROLL for (int r = 0; r < MR; ++r)                                       \
+      FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = RoundedToBf16x16(acc[r][v]); \
   FERRY_UNROLL for (int r = 0; r < MR; ++r, y += ldy)                               \
     FERRY_UNROLL for (int v = 0; v < 4; ++v) if (16 * v < cols)                     \
       _mm512_mask_storeu_ps(y + 16 * v, LeadingLanes(cols - 16 * v), acc[r][v])
@@ -1527,17 +1544,24 @@ struct MatmulWork {
 #ifdef FERRY_HAVE_AVX512_MATMUL
     if (w->tiles != nullptr) return MatmulItemAvx512(*w->problem, static_cast<const PanelTileFn*>(w->tiles), item);
 #endif
-    if (w->problem->w_bf16) return MatmulPanelGenericBf16(*w->problem, item);
-    MatmulPanelGenericF32(*w->problem, item);
+    const Matmul& p = *w->problem;
+    if (p.w_bf16) MatmulPanelGenericBf16(p, item);
+    else MatmulPanelGenericF32(p, item);
+    if (p.round_bf16)
+      for (int64_t r = 0; r < p.m; ++r)
+        for (int64_t c = p.PanelCol(item); c < p.PanelCol(item) + p.PanelWidth(item); ++c)
+          p.y[r * p.n + c] = RoundedToBf16(p.y[r * p.n + c]);
   }
 };
 
 ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer>& y, int32_t act,
-                             int32_t groups) {
+                             int32_t groups, int32_t round_bf16) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const bool gated = act >= 0;
   if (act > 1) return ffi::Error::InvalidArgument("ferry stacked matmul: act must be -1, 0 or 1");
+  if (round_bf16 != 0 && (round_bf16 != 1 || gated))
+    return ffi::Error::InvalidArgument("ferry stacked matmul: round_bf16 must be 0 or 1 (gated: 0)");
   if (groups < 1 || (gated && groups != 2))
     return ffi::Error::InvalidArgument("ferry stacked matmul: groups must be >= 1 (gated: 2)");
   const bool bf16 = w.element_type() == ffi::DataType::BF16;
@@ -1567,6 +1591,7 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
            static_cast<float*>(y->untyped_data()), xd[0], k, n};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   p.w_bf16 = bf16;
+  p.round_bf16 = round_bf16 == 1;
   p.part_cols = part_cols;
   p.part_panels = part_panels;
   p.panels = wd[1];
@@ -1607,8 +1632,8 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
 
 ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y, int32_t act,
-                             int32_t groups) {
-  return Guarded([&] { return StackedMatmulBody(pool, x, w, layer, y, act, groups); });
+                             int32_t groups, int32_t round_bf16) {
+  return Guarded([&] { return StackedMatmulBody(pool, x, w, layer, y, act, groups, round_bf16); });
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -1674,7 +1699,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmul, StackedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::AnyBuffer>()  // y [M, N] f32; gated: [M, N/2] f32 or bf16
                                   .Attr<int32_t>("act")      // -1: none; gated: 0 SiLU, 1 GELU (tanh)
-                                  .Attr<int32_t>("groups"));  // w's column parts, each padded to panels
+                                  .Attr<int32_t>("groups")   // w's column parts, each padded to panels
+                                  .Attr<int32_t>("round_bf16"));  // 1: y at bfloat16's precision
 
 // Let the loader (pallas_kernels/native.py) check that the library matches the Python side and
 // was built from this very source (the build passes -DFERRY_SOURCE_HASH=<sha256 prefix>).
@@ -1686,7 +1712,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmul, StackedMatmulImpl,
 #ifndef FERRY_JAXLIB_VERSION
 #define FERRY_JAXLIB_VERSION "unknown"
 #endif
-extern "C" int FerryPagedAttentionAbiVersion() { return 5; }
+extern "C" int FerryPagedAttentionAbiVersion() { return 6; }
 extern "C" const char* FerryPagedAttentionSourceHash() { return FERRY_SOURCE_HASH; }
 extern "C" const char* FerryPagedAttentionJaxlibVersion() { return FERRY_JAXLIB_VERSION; }
 
