@@ -273,6 +273,7 @@ struct Scratch {
   std::vector<float> q, acc, m, l, s, k, v;
   std::vector<int64_t> nk;
   std::vector<int32_t> lane_keys;  // PrefillTileAvx512: keys each query vector sees
+  const Tile* next_tile = nullptr;  // DecodeTileAvx512: the tile whose first pages to prefetch (TileWork)
   void Reserve(int64_t rows, int64_t vecs, int64_t bs, int64_t d) {
     auto grow = [](auto& vec, int64_t n) {
       if (static_cast<int64_t>(vec.size()) < n) vec.resize(n);
@@ -569,8 +570,9 @@ void ParallelFor(ffi::ThreadPool* pool, int64_t count, int64_t helpers, const vo
 
 // In decode, each thread starting a tile asks for the first pages of the tile `lookahead` items on (about
 // the next one it takes, items being handed out in order): a tile's own prefetch only covers its later
-// pages. Not in prefill (lookahead 0), where a sequence's pages serve several tiles: there it cost 10-15%
-// of a 4 x 128-token chunk's attention.
+// pages. DecodeTileAvx512 does it itself, spread over its last chunks (Scratch::next_tile); the vector
+// tiles get them at once here. Not in prefill (lookahead 0), where a sequence's pages serve several
+// tiles: there it cost 10-15% of a 4 x 128-token chunk's attention.
 template <typename P>
 struct TileWork {
   const P* problem;
@@ -579,14 +581,18 @@ struct TileWork {
   static void Run(const void* self, int64_t i) {
     const auto* w = static_cast<const TileWork*>(self);
     const std::vector<Tile>& tiles = *w->tiles;
-    if (w->lookahead > 0 && i + w->lookahead < static_cast<int64_t>(tiles.size())) {
-      const Tile& next = tiles[i + w->lookahead];
+    const Tile* next = w->lookahead > 0 && i + w->lookahead < static_cast<int64_t>(tiles.size())
+                           ? &tiles[i + w->lookahead] : nullptr;
+    const bool spreads = w->problem->tiles == P::Tiles::kDecodeAvx512;
+    Scratch& sc = ThreadScratch();
+    sc.next_tile = spreads ? next : nullptr;
+    if (next != nullptr && !spreads) {
       const Geometry& g = w->problem->g;
       const int64_t max_keys = g.num_blocks > 0 ? g.table_width * g.block_size : 0;
-      TilePages(w->problem->tables, g, next, std::clamp<int64_t>(next.first_pos + next.nrows, 0, max_keys))
-          .PrefetchFirst(w->problem->k, w->problem->v, next.nheads * g.head_dim);
+      TilePages(w->problem->tables, g, *next, std::clamp<int64_t>(next->first_pos + next->nrows, 0, max_keys))
+          .PrefetchFirst(w->problem->k, w->problem->v, next->nheads * g.head_dim);
     }
-    AttendTile(*w->problem, tiles[i], ThreadScratch());
+    AttendTile(*w->problem, tiles[i], sc);
   }
 };
 
@@ -1344,12 +1350,12 @@ struct KeyChunk {
 };
 // A tile's keys as chunks, in order.
 struct ChunkWalk {
-  const TilePages& pages;
-  int64_t block_size, keys, row_stride, j = 0, c0 = 0;  // the next chunk: keys c0.. of page j
-  bool Done() const { return j >= pages.count; }
+  const TilePages* pages;
+  int64_t block_size, row_stride, j = 0, c0 = 0;  // the next chunk: keys c0.. of page j
+  bool Done() const { return j >= pages->count; }
   KeyChunk Next() {
-    const int64_t n = std::min(block_size, keys - j * block_size);
-    const KeyChunk c{pages.Offset(j) + c0 * row_stride, std::min<int64_t>(16, n - c0)};
+    const int64_t n = std::min(block_size, pages->keys - j * block_size);
+    const KeyChunk c{pages->Offset(j) + c0 * row_stride, std::min<int64_t>(16, n - c0)};
     c0 += 16;
     if (c0 >= n) ++j, c0 = 0;
     return c;
@@ -1395,15 +1401,21 @@ FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile
   const TilePages pages(p.tables, g, tile, keys);
   // `ahead` walks kDecodeChunks chunks in front: each K/V line read asks for the same line there, so
   // the prefetches spread over the work (a page's worth at once stalls the core on its miss buffers).
-  ChunkWalk walk{pages, BS, keys, kv_row_stride};
+  // Past this tile's end it walks on into the next one this thread is likely to take (TileWork).
+  ChunkWalk walk{&pages, BS, kv_row_stride};
   ChunkWalk ahead = walk;
   for (int i = 0; i < kDecodeChunks && !ahead.Done(); ++i) ahead.Next();
+  const Tile* next_tile = sc.next_tile;
+  const TilePages next_pages(p.tables, g, next_tile != nullptr ? *next_tile : tile,
+                             next_tile != nullptr ? std::clamp<int64_t>(next_tile->first_pos + 1, 0, max_keys_total) : 0);
+  bool into_next = next_tile == nullptr;  // whether `ahead` has moved on (or has nowhere to go)
   while (!walk.Done()) {
     KeyChunk chunk[kDecodeChunks], next[kDecodeChunks];
     int nc = 0;
     for (; nc < kDecodeChunks && !walk.Done(); ++nc) {
       chunk[nc] = walk.Next();
-      next[nc] = ahead.Done() ? chunk[nc] : ahead.Next();  // past the end: lines already in cache
+      if (ahead.Done() && !into_next) ahead = ChunkWalk{&next_pages, BS, kv_row_stride}, into_next = true;
+      next[nc] = ahead.Done() ? chunk[nc] : ahead.Next();  // past both ends: lines already in cache
     }
     for (int64_t hh = 0; hh < NH; ++hh) {
       for (int64_t gi = 0; gi < G; gi += 2) {
