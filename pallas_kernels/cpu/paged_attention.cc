@@ -1367,7 +1367,6 @@ FERRY_INLINE void PrefetchElems32(const T* p) {  // one line of bfloat16, two of
   PrefetchLine(reinterpret_cast<const char*>(p));
   if constexpr (sizeof(T) == 4) PrefetchLine(reinterpret_cast<const char*>(p + 16));
 }
-FERRY_INLINE __mmask16 KeyMask(int64_t kc) { return static_cast<__mmask16>((1u << kc) - 1u); }
 
 template <typename TQ, typename TKV, int64_t kD>
 FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile, Scratch& sc) {
@@ -1431,7 +1430,7 @@ FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile
             __m512 dots[16];
             FERRY_UNROLL for (int a = 0; a < 16; ++a) dots[a] = _mm512_setzero_ps();
             FERRY_UNROLL for (int t = 0; t < 8; ++t) {
-              // An absent key reads the last present row (its own may hold anything; KeyMask drops it):
+              // An absent key reads the last present row (its own may hold anything; LeadingLanes drops it):
               // no branch, so the 16 sums stay in registers.
               const TKV* row = kr + std::min<int64_t>(8 * half + t, chunk[ci].kc - 1) * kv_row_stride;
               for (int64_t c = 0; c < C; ++c) {
@@ -1461,14 +1460,14 @@ FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile
               for (int t = 0; t < 16; ++t) w[t] = cap * Tanh(w[t] * inv_cap);
               scores[v][ci] = _mm512_loadu_ps(w);
             }
-            chunk_max = _mm512_mask_max_ps(chunk_max, KeyMask(chunk[ci].kc), chunk_max, scores[v][ci]);
+            chunk_max = _mm512_mask_max_ps(chunk_max, LeadingLanes(chunk[ci].kc), chunk_max, scores[v][ci]);
           }
           const float old_max = mx[mi];
           const float new_max = std::max(old_max, _mm512_reduce_max_ps(chunk_max));
           const __m512 new_max_v = _mm512_set1_ps(new_max);
           __m512 sum = _mm512_setzero_ps();
           for (int ci = 0; ci < nc; ++ci) {
-            const __m512 e = _mm512_maskz_mov_ps(KeyMask(chunk[ci].kc),
+            const __m512 e = _mm512_maskz_mov_ps(LeadingLanes(chunk[ci].kc),
                                                  Exp512NonPositive(_mm512_sub_ps(scores[v][ci], new_max_v)));
             sum = _mm512_add_ps(sum, e);
             _mm512_storeu_ps(w + 16 * ci, e);
