@@ -334,7 +334,6 @@ FERRY_INLINE const float* PageRows(const uint16_t* page, int64_t n, int64_t row_
 #define FERRY_PREFETCH_PAGES 2
 #endif
 constexpr int64_t kPrefetchPages = FERRY_PREFETCH_PAGES;  // how far ahead to prefetch pages (0: off)
-constexpr int kDecodeChunks = 4;  // DecodeTileAvx512: chunks of 16 keys per softmax step
 
 // An asm statement on x86-64, which the compiler keeps: GCC 12's dead-code elimination dropped every
 // __builtin_prefetch from the AVX-512 tiles (and from TileWork), so their pages were never prefetched.
@@ -355,6 +354,11 @@ FERRY_INLINE void Prefetch(const T* rows, int64_t n, int64_t row_stride, int64_t
     const char* row = reinterpret_cast<const char*>(rows + t * row_stride);
     for (int64_t b = 0; b < bytes; b += 64) PrefetchLine(row + b);
   }
+}
+
+// Keys the tile's last query row sees, within the block table's reach.
+FERRY_INLINE int64_t TileKeys(const Geometry& g, const Tile& t) {
+  return std::clamp<int64_t>(t.first_pos + t.nrows, 0, g.num_blocks > 0 ? g.table_width * g.block_size : 0);
 }
 
 // A tile's walk over its sequence's pages: page j's element offset at (row 0, head0, 0), block ids clamped
@@ -378,12 +382,10 @@ struct TilePages {
     Prefetch(k + Offset(ahead), rows, g.num_kv_heads * g.head_dim, row_elems);
     Prefetch(v + Offset(ahead), rows, g.num_kv_heads * g.head_dim, row_elems);
   }
-  // The first pages, which no PrefetchAhead of this tile asks for: kPrefetchPages, or a decode tile's
-  // first kDecodeChunks chunks of 16 keys.
+  // The first kPrefetchPages pages, which no PrefetchAhead of this tile asks for.
   template <typename T>
   void PrefetchFirst(const T* k, const T* v, int64_t row_elems) const {
-    const int64_t first = std::max<int64_t>(kPrefetchPages, (kDecodeChunks * 16 + g.block_size - 1) / g.block_size);
-    for (int64_t j = 0; j < std::min(first, count); ++j) {
+    for (int64_t j = 0; j < std::min(kPrefetchPages, count); ++j) {
       const int64_t rows = std::min(g.block_size, keys - j * g.block_size);
       Prefetch(k + Offset(j), rows, g.num_kv_heads * g.head_dim, row_elems);
       Prefetch(v + Offset(j), rows, g.num_kv_heads * g.head_dim, row_elems);
@@ -588,8 +590,7 @@ struct TileWork {
     sc.next_tile = spreads ? next : nullptr;
     if (next != nullptr && !spreads) {
       const Geometry& g = w->problem->g;
-      const int64_t max_keys = g.num_blocks > 0 ? g.table_width * g.block_size : 0;
-      TilePages(w->problem->tables, g, *next, std::clamp<int64_t>(next->first_pos + next->nrows, 0, max_keys))
+      TilePages(w->problem->tables, g, *next, TileKeys(g, *next))
           .PrefetchFirst(w->problem->k, w->problem->v, next->nheads * g.head_dim);
     }
     AttendTile(*w->problem, tiles[i], sc);
@@ -1345,6 +1346,7 @@ FERRY_INLINE int64_t PermuteForPages(int64_t i) {
 }
 
 // Keys c0.. of a page, up to 16: a decode tile takes kDecodeChunks of them per softmax step.
+constexpr int kDecodeChunks = 4;
 struct KeyChunk {
   int64_t offset, kc;  // element offset of the chunk's first K/V row (the tile's first head); keys present
 };
@@ -1373,8 +1375,7 @@ FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile
   const Geometry& g = p.g;
   const int64_t G = g.group, D = kD ? kD : g.head_dim, BS = g.block_size, NH = tile.nheads, C = D / 32;
   const int64_t M = NH * G;  // query vectors: hh * G + gi; slot M: an odd G's twin
-  const int64_t max_keys_total = g.num_blocks > 0 ? g.table_width * BS : 0;
-  const int64_t keys = std::clamp<int64_t>(tile.first_pos + 1, 0, max_keys_total);
+  const int64_t keys = TileKeys(g, tile);  // one query row
   const int64_t q_row_stride = g.num_q_heads * D, kv_row_stride = g.num_kv_heads * D;
   sc.Reserve(1, M + 1, 2 * kDecodeChunks * 16, D);
   float* qf = sc.q.data();
@@ -1406,7 +1407,7 @@ FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile
   for (int i = 0; i < kDecodeChunks && !ahead.Done(); ++i) ahead.Next();
   const Tile* next_tile = sc.next_tile;
   const TilePages next_pages(p.tables, g, next_tile != nullptr ? *next_tile : tile,
-                             next_tile != nullptr ? std::clamp<int64_t>(next_tile->first_pos + 1, 0, max_keys_total) : 0);
+                             next_tile != nullptr ? TileKeys(g, *next_tile) : 0);
   bool into_next = next_tile == nullptr;  // whether `ahead` has moved on (or has nowhere to go)
   while (!walk.Done()) {
     KeyChunk chunk[kDecodeChunks], next[kDecodeChunks];
