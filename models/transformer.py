@@ -53,16 +53,27 @@ def split_fused(y, widths: tuple[int, ...]) -> list:
 class RMSNorm(nnx.Module):
     """Llama: w * normalize(x).to(dtype).  Gemma (offset 1): (normalize(x) * (1 + w)).to(dtype)."""
 
+    native_kernel = False  # the native CPU kernel (one call, where XLA CPU ran ~5 fusions); set by scan_layers
+
     def __init__(self, dim: int, eps: float, offset: float, dtype):
         self.eps, self.offset = eps, offset
         self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
 
-    def __call__(self, x):
+    def __call__(self, x, delta=None):
+        """RMSNorm(x); given a residual branch `delta` (float32 or x's dtype), of the residual sum
+        x + delta.astype(x.dtype) instead, returned beside it: (normed, sum)."""
+        weight = self.weight[...]
+        if self.native_kernel and x.dtype == weight.dtype:
+            return native.rms_norm(x, weight, eps=self.eps, offset=self.offset, delta=delta)
+        if delta is not None:
+            x = x + delta.astype(x.dtype)
         xf = x.astype(jnp.float32)
         normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         if self.offset:
-            return (normed * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
-        return self.weight[...] * normed.astype(x.dtype)
+            normed = (normed * (self.offset + weight.astype(jnp.float32))).astype(x.dtype)
+        else:
+            normed = weight * normed.astype(x.dtype)
+        return normed if delta is None else (normed, x)
 
 
 class Linear(nnx.Linear):
@@ -83,8 +94,9 @@ class Linear(nnx.Linear):
         return y if self.bias is None else y + self.bias[...]
 
     def float32_out(self, x):
-        """self(x).astype(float32): the LM head's logits. A packed kernel rounds its float32 sums to the
-        model dtype's precision as it stores them, where XLA converted [rows, vocab] to the dtype and back."""
+        """self(x).astype(float32): the LM head's logits, a residual branch for RMSNorm's add. A packed
+        kernel rounds its float32 sums to the model dtype's precision as it stores them, where XLA
+        converted [rows, vocab] to the dtype and back."""
         if self.kernel[...].ndim == 4 and self.bias is None:
             return self.packed_matmul(x, round_to=self.dtype)
         return self(x).astype(jnp.float32)
@@ -198,6 +210,7 @@ class Attention(nnx.Module):
         return q, k, v
 
     def __call__(self, x, cos, sin, kv, md: AttentionMetadata, attention_impl):
+        """-> (the output projection, float32 at the model dtype's precision; the updated kv)."""
         cfg, num_tokens = self.cfg, x.shape[0]
         q, k, v = self.project(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -209,7 +222,7 @@ class Attention(nnx.Module):
             attend = jax.shard_map(attend, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, pages, P()),
                                    out_specs=(HEADS_SPEC, pages))
         out, kv = attend(q, k, v, kv, md)
-        return self.o_proj(out.reshape(num_tokens, -1)), kv
+        return self.o_proj.float32_out(out.reshape(num_tokens, -1)), kv
 
 
 def _write_and_attend(q, k, v, kv, md: AttentionMetadata, *, cfg: ModelConfig, attention_impl):
@@ -250,8 +263,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, kv, md, attention_impl):
         attn_out, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, attention_impl)
-        x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        hidden, x = self.post_attention_layernorm(x, attn_out)  # the residual add, then the norm
+        return x + self.mlp(hidden), kv
 
 
 def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
@@ -341,7 +354,7 @@ class Transformer(nnx.Module):
         SmolLM2-135M's 30 x 576, batch 16, against per-layer arrays; jaxlib 0.10.2 and 0.11.2 alike).
         Packed kernels (pack_kernels: CPU, float32 or bfloat16) stay out of the scanned operands:
         the body closes over the whole stacks and each Linear's native stacked matmul reads its layer
-        where it lies. The small parameters (norms, biases) are still sliced."""
+        where it lies. The small parameters (norms, biases) are still sliced; the norms run natively too."""
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):
                 carry = fn(layer, carry, None if xs is None else xs[i])
@@ -367,6 +380,8 @@ class Transformer(nnx.Module):
             for _, module in nnx.iter_modules(layer):
                 if isinstance(module, Linear):
                     module.layer = index
+                elif isinstance(module, RMSNorm):
+                    module.native_kernel = True
             return fn(layer, c, x), None
 
         return jax.lax.scan(body, carry, (stacked, xs, jnp.arange(num_layers, dtype=jnp.int32)))[0]

@@ -12,7 +12,9 @@ float32 model; GQA/MQA; any head_dim and block size; optional soft cap).
 packed once by `pack_stacked`, reading that layer's panels in place (the scanned decoder layers'
 linears: XLA CPU copies a dynamic slice before its library dot).
 `kv_write(pages, updates, slot_mapping)` scatters one step's K or V rows into the pages in place (XLA
-CPU's own scatter into a 16-bit float cache rewrites every page). They run on the CPU backend only. `available()` says whether the library is loaded (and logs why
+CPU's own scatter into a 16-bit float cache rewrites every page). `rms_norm(x, w, eps=, offset=, delta=)` is a
+decoder layer's RMSNorm (with delta: the residual add before it) in one call, where XLA CPU runs five
+small fusions. They run on the CPU backend only. `available()` says whether the library is loaded (and logs why
 not); callers fall back to the reference when it is False.
 
 Where the library comes from, first match wins:
@@ -59,7 +61,9 @@ DECODE_TARGET = "ferry_paged_decode_attention"
 PREFILL_TARGET = "ferry_paged_prefill_attention"
 KV_WRITE_TARGET = "ferry_kv_write"
 STACKED_MATMUL_TARGET = "ferry_stacked_matmul"
-ABI_VERSION = 6  # FerryPagedAttentionAbiVersion() in the .cc
+RMS_NORM_TARGET = "ferry_rms_norm"
+ADD_RMS_NORM_TARGET = "ferry_add_rms_norm"
+ABI_VERSION = 7  # FerryPagedAttentionAbiVersion() in the .cc
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -236,7 +240,9 @@ def _load() -> dict:
                 for name, fn in ((DECODE_TARGET, lib.FerryPagedDecodeAttention),
                                  (PREFILL_TARGET, lib.FerryPagedPrefillAttention),
                                  (KV_WRITE_TARGET, lib.FerryKvWrite),
-                                 (STACKED_MATMUL_TARGET, lib.FerryStackedMatmul)):
+                                 (STACKED_MATMUL_TARGET, lib.FerryStackedMatmul),
+                                 (RMS_NORM_TARGET, lib.FerryRmsNorm),
+                                 (ADD_RMS_NORM_TARGET, lib.FerryAddRmsNorm)):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
             else:
                 _log.warning("native CPU paged attention unavailable (using the reference): %s",
@@ -420,6 +426,31 @@ def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | 
              act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)), groups=np.int32(groups),
              round_bf16=np.int32(round_bf16))
     return y.reshape(*x.shape[:-1], width)
+
+
+def rms_norm(x, weight, *, eps: float, offset: float = 0.0, delta=None):
+    """RMSNorm over x's last axis, as models.transformer.RMSNorm rounds it: in float32
+    v * rsqrt(mean(v^2) + eps), then weight * normed.astype(dtype) (offset 0: Llama) or
+    (normed * (offset + weight)).astype(dtype) (Gemma: offset 1). x float32 or bfloat16, weight [K] of
+    x's dtype. With `delta` (x's shape; float32, e.g. a matmul's sums, or x's dtype), v is the residual
+    add x + delta.astype(x.dtype), and the result is (normed, v). Reference: models.transformer.RMSNorm."""
+    if not available():
+        raise RuntimeError(f"native CPU rms norm unavailable: {unavailable_reason()}")
+    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
+        raise ValueError(f"native rms norm takes float32 or bfloat16 x and weight [K] of its dtype; got x "
+                         f"{x.dtype}{list(x.shape)}, weight {weight.dtype}{list(weight.shape)}")
+    rows = x.reshape(-1, x.shape[-1])
+    like = jax.ShapeDtypeStruct(rows.shape, x.dtype)
+    attrs = dict(eps=np.float32(eps), offset=np.float32(offset))
+    if delta is None:
+        out = jax.ffi.ffi_call(RMS_NORM_TARGET, like, vmap_method="sequential")(rows, weight, **attrs)
+        return out.reshape(x.shape)
+    if delta.shape != x.shape or delta.dtype not in {jnp.dtype(jnp.float32), x.dtype}:
+        raise ValueError(f"native add rms norm: delta must have x's shape {list(x.shape)} and be float32 or "
+                         f"{x.dtype}; got {delta.dtype}{list(delta.shape)}")
+    total, out = jax.ffi.ffi_call(ADD_RMS_NORM_TARGET, (like, like), vmap_method="sequential")(
+        rows, delta.reshape(rows.shape), weight, **attrs)
+    return out.reshape(x.shape), total.reshape(x.shape)
 
 
 def gate_product(gate, up, act: str = "silu"):

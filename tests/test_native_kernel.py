@@ -423,6 +423,56 @@ def test_stacked_matmul_rejects_bad_inputs():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+@pytest.mark.parametrize("path", ["avx512_if_present", "portable"])
+def test_rms_norm_matches_the_model_norm(seed, dtype, offset, path, monkeypatch):
+    """native.rms_norm against the model's jnp RMSNorm: rows of a decode batch and of a prefill chunk
+    (threads split those), an odd width, with and without the residual add (its branch float32 sums or the
+    model's dtype). The sum is exactly x + delta.astype(dtype); the norm within a few float32 ulp (another
+    summation order and rsqrt), bf16 rarely apart where that moves a rounding. Every element written."""
+    from models.transformer import RMSNorm
+    if path == "portable":
+        monkeypatch.setenv("FERRY_NATIVE_MATMUL_GENERIC", "1")
+    rng = np.random.default_rng(seed)
+    moved = np.zeros(2, np.int64)  # bf16 outputs that differ, outputs
+    for m, k in [(1, 64), (5, 33), (70, 512), (300, 256)]:
+        norm = RMSNorm(k, 1e-6, offset, dtype)
+        norm.weight[...] = jnp.asarray(rng.standard_normal(k) * 0.5 + 1.0 - offset, dtype)
+        x = jnp.asarray(rng.standard_normal((m, k)) * rng.uniform(0.1, 10), dtype)
+        f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
+        for delta_dtype in (None, jnp.float32, dtype):
+            delta = None if delta_dtype is None else jnp.asarray(rng.standard_normal((m, k)) * 2, delta_dtype)
+            call = functools.partial(native.rms_norm, eps=norm.eps, offset=offset)
+            if delta is None:
+                out, ref = run_poisoned(call, x, norm.weight[...]), norm(x)
+            else:
+                out = run_poisoned(lambda x, w, d: call(x, w, delta=d)[0], x, norm.weight[...], delta)
+                total = run_poisoned(lambda x, w, d: call(x, w, delta=d)[1], x, norm.weight[...], delta)
+                want_total = x + delta.astype(dtype)
+                np.testing.assert_array_equal(f32(total), f32(want_total))
+                ref = norm(want_total)  # the norm of the rounded sum, as transformers takes it
+            out, ref = f32(out), f32(ref)
+            # bf16: a normed value one ulp apart, times w and rounded again, is up to two ulp apart
+            rtol = 1e-5 if dtype == jnp.float32 else 2 ** -6
+            np.testing.assert_allclose(out, ref, rtol=rtol, atol=1e-6, err_msg=f"M,K={m, k} delta {delta_dtype}")
+            moved += [(out != ref).sum(), out.size]
+    if dtype == jnp.bfloat16:
+        assert moved[0] < 0.01 * moved[1], f"{moved[0]} of {moved[1]} bf16 outputs moved seed={seed}"
+
+
+def test_rms_norm_rejects_bad_inputs():
+    x = jnp.zeros((2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="weight"):
+        native.rms_norm(x, jnp.ones(8, jnp.float32), eps=1e-6)  # weight of another dtype
+    with pytest.raises(ValueError, match="weight"):
+        native.rms_norm(x, jnp.ones(4, jnp.bfloat16), eps=1e-6)
+    with pytest.raises(ValueError, match="delta"):
+        native.rms_norm(x, jnp.ones(8, jnp.bfloat16), eps=1e-6, delta=jnp.zeros((2, 4), jnp.float32))
+    with pytest.raises(ValueError, match="delta"):
+        native.rms_norm(x, jnp.ones(8, jnp.bfloat16), eps=1e-6, delta=jnp.zeros((2, 8), jnp.float16))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_scanned_layers_read_packed_kernels_in_place(seed, dtype):
     """With the kernels packed (pack_kernels, as the engine does on CPU), the compiled decode and prefill
     steps run the scanned layers' four linears as stacked-matmul custom calls on the whole packed stacks
@@ -460,6 +510,9 @@ def test_scanned_layers_read_packed_kernels_in_place(seed, dtype):
         copies = [line for line in lines if ("dynamic-slice(" in line or " copy(" in line or " convert(" in line)
                   and any(s in line.split("=")[1].split("{")[0] for s in kernel_shapes)]
         assert not copies, copies
+        # Each layer's two norms: one native call each, the second with the residual add before it
+        for target in ("ferry_rms_norm", "ferry_add_rms_norm"):
+            assert sum(f'custom_call_target="{target}"' in line for line in lines) == 1, target
         # The head's float32 sums leave the kernel at bf16's precision: no bf16 logits array, no converts
         bf16_logits = [line for line in lines if f"bf16[{layout.num_logits},{cfg.vocab_size}]" in line]
         assert not bf16_logits, bf16_logits
