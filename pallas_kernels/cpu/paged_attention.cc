@@ -538,6 +538,14 @@ int MaxThreadsFromEnv() {  // read on every call (cheap next to the kernel), 0: 
   return std::max(1, std::atoi(env));
 }
 
+// Threads for a call: the pool's, capped by FERRY_NATIVE_ATTENTION_THREADS; 1 when `work` is under
+// `min_work` (a small call finishes before a woken thread would start).
+int64_t ThreadsFor(const ffi::ThreadPool& pool, int64_t work, int64_t min_work) {
+  if (work < min_work) return 1;
+  const int env = MaxThreadsFromEnv();
+  return env > 0 ? std::min<int64_t>(pool.num_threads(), env) : pool.num_threads();
+}
+
 struct ParallelState {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -603,15 +611,12 @@ struct TileWork {
 template <typename P>
 void RunTiles(ffi::ThreadPool& pool, const P& problem, const std::vector<Tile>& tiles, bool decode) {
   if (tiles.empty()) return;
-  int64_t threads = pool.num_threads();
-  const int env = MaxThreadsFromEnv();
-  if (env > 0) threads = std::min<int64_t>(threads, env);
   // Problems under ~0.1 ms of work are not worth waking other threads for.
   int64_t work = 0;
   for (const Tile& t : tiles)
     work += t.nrows * t.nheads * std::max<int64_t>(t.first_pos + t.nrows, 1);
   work *= problem.g.group * problem.g.head_dim;
-  if (work < (int64_t{1} << 20)) threads = 1;
+  const int64_t threads = ThreadsFor(pool, work, int64_t{1} << 20);
   TileWork<P> w{&problem, &tiles, decode ? threads : 0};
   ParallelFor(&pool, static_cast<int64_t>(tiles.size()), threads - 1, &w, &TileWork<P>::Run);
 }
@@ -967,7 +972,7 @@ FERRY_AVX512 FERRY_INLINE __m512i LoadBf16Lanes(const uint16_t* w, __mmask16 m, 
   return shift ? _mm512_maskz_slli_epi32(m, lanes, shift) : lanes;
 }
 
-// 16 weights from `w` as float32 (lanes outside `m` zero).
+// 16 values (weights, or the norms' rows) from `w` as float32 (lanes outside `m` zero).
 FERRY_AVX512 FERRY_INLINE __m512 LoadWeights(const float* w, __mmask16 m) { return _mm512_maskz_loadu_ps(m, w); }
 FERRY_AVX512 FERRY_INLINE __m512 LoadWeights(const uint16_t* w, __mmask16 m) {
   return _mm512_castsi512_ps(LoadBf16Lanes(w, m, 16));
@@ -1671,12 +1676,8 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
     sums.resize(p.m * p.n);
     p.y = sums.data();
   }
-  int64_t threads = pool.num_threads();
-  const int env = MaxThreadsFromEnv();
-  if (env > 0) threads = std::min<int64_t>(threads, env);
-  if (p.m * p.k * p.n < (int64_t{1} << 18)) threads = 1;  // not worth waking a thread
-  work.threads = threads;
-  ParallelFor(&pool, work.Items(), threads - 1, &work, &MatmulWork::Run);
+  work.threads = ThreadsFor(pool, p.m * p.k * p.n, int64_t{1} << 18);
+  ParallelFor(&pool, work.Items(), work.threads - 1, &work, &MatmulWork::Run);
   if (gated && !work.FusesGate()) GatedRows(p, sums.data(), sums.data() + p.n / 2, p.n, 0, p.m, 0, p.n / 2);
   return ffi::Error::Success();
 }
@@ -1770,8 +1771,6 @@ FERRY_CLONES_512 void RmsNormRowsBf16(const RmsNorm& p, int64_t r0, int64_t r1) 
 #ifdef FERRY_HAVE_AVX512_MATMUL
 // RmsNormRowsOf's steps 16 lanes at a time (its bits but for the order of the sum of squares): GCC's own
 // vectors of it were 256 bits wide with a scalar-style rounding, 25 us for a [64, 512] bf16 add and norm.
-FERRY_AVX512 FERRY_INLINE __m512 Load16(const float* x, __mmask16 m) { return _mm512_maskz_loadu_ps(m, x); }
-FERRY_AVX512 FERRY_INLINE __m512 Load16(const uint16_t* x, __mmask16 m) { return LoadWeights(x, m); }
 FERRY_AVX512 FERRY_INLINE __m512 Rounded16(__m512 v, const float*) { return v; }
 FERRY_AVX512 FERRY_INLINE __m512 Rounded16(__m512 v, const uint16_t*) { return RoundedToBf16x16(v); }
 FERRY_AVX512 FERRY_INLINE void Store16(float* y, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(y, m, v); }
@@ -1790,16 +1789,16 @@ FERRY_AVX512 void RmsNormRowsAvx512(const RmsNorm& p, int64_t r0, int64_t r1) {
       T* sum = static_cast<T*>(p.sum) + r * p.k;
       for (int64_t i = 0; i < p.k; i += 16) {
         const __mmask16 m = LeadingLanes(p.k - i);
-        const __m512 d = p.delta_f32 ? Rounded16(Load16(static_cast<const float*>(p.delta) + r * p.k + i, m), x)
-                                     : Load16(static_cast<const T*>(p.delta) + r * p.k + i, m);
-        const __m512 v = Rounded16(_mm512_add_ps(Load16(x + i, m), d), x);
+        const __m512 d = p.delta_f32 ? Rounded16(LoadWeights(static_cast<const float*>(p.delta) + r * p.k + i, m), x)
+                                     : LoadWeights(static_cast<const T*>(p.delta) + r * p.k + i, m);
+        const __m512 v = Rounded16(_mm512_add_ps(LoadWeights(x + i, m), d), x);
         Store16(sum + i, m, v);
         squares = _mm512_fmadd_ps(v, v, squares);
       }
       x = sum;
     } else {
       for (int64_t i = 0; i < p.k; i += 16) {
-        const __m512 v = Load16(x + i, LeadingLanes(p.k - i));
+        const __m512 v = LoadWeights(x + i, LeadingLanes(p.k - i));
         squares = _mm512_fmadd_ps(v, v, squares);
       }
     }
@@ -1807,7 +1806,7 @@ FERRY_AVX512 void RmsNormRowsAvx512(const RmsNorm& p, int64_t r0, int64_t r1) {
     const __m512 offset = _mm512_set1_ps(p.offset);
     for (int64_t i = 0; i < p.k; i += 16) {
       const __mmask16 m = LeadingLanes(p.k - i);
-      const __m512 normed = _mm512_mul_ps(Load16(x + i, m), inv), wi = Load16(w + i, m);
+      const __m512 normed = _mm512_mul_ps(LoadWeights(x + i, m), inv), wi = LoadWeights(w + i, m);
       Store16(out + i, m, Rounded16(p.offset == 0.0f ? _mm512_mul_ps(wi, Rounded16(normed, x))
                                                      : _mm512_mul_ps(normed, _mm512_add_ps(offset, wi)), x));
     }
@@ -1854,10 +1853,7 @@ ffi::Error RmsNormBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, const ffi::AnyBu
   }
   if (p.m == 0 || p.k == 0) return ffi::Error::Success();
   RmsNormWork work{&p, dt == ffi::DataType::BF16, UseAvx512Matmul()};
-  int64_t threads = pool.num_threads();
-  const int env = MaxThreadsFromEnv();
-  if (env > 0) threads = std::min<int64_t>(threads, env);
-  if (p.m * p.k < (int64_t{1} << 16)) threads = 1;  // a decode batch: not worth waking a thread
+  const int64_t threads = ThreadsFor(pool, p.m * p.k, int64_t{1} << 16);  // a decode batch: 1
   ParallelFor(&pool, (p.m + kNormRowBlock - 1) / kNormRowBlock, threads - 1, &work, &RmsNormWork::Run);
   return ffi::Error::Success();
 }
