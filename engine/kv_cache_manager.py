@@ -103,10 +103,8 @@ class KVCacheManager:
     def cached_prefix(self, request: Request) -> list[int]:
         """The published blocks holding the request's leading tokens, as long a run as exists but leaving at
         least the last token of its prefill target to compute. Changes nothing (hashes aside). A request
-        asking for prompt logprobs gets none (as in vLLM): every prompt position must run to be scored."""
-        if not self.enable_prefix_caching or request.block_ids or request.host_block_ids:
-            return []
-        if request.params is not None and request.params.prompt_logprobs is not None:
+        scoring its prompt gets none (as in vLLM): every prompt position must run to be scored."""
+        if not self.enable_prefix_caching or request.block_ids or request.host_block_ids or request.scores_prompt:
             return []
         hits = []
         for block_hash in self._block_hashes(request, (request.prefill_target - 1) // self.block_size):

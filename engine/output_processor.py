@@ -57,7 +57,7 @@ SampleNews = tuple[str, int, int, tuple | None, str | None]
 @dataclasses.dataclass(slots=True)
 class StepNews:
     samples: list[SampleNews]              # every sample that gained a token, in step order, but `decoded`'s
-    prompt_logprobs: dict[str, list]       # request id -> this step's scored prompt rows [(logprob, top-k), ...]
+    prompt_logprobs: dict[str, tuple]      # request id -> this step's scored prompt rows (RunnerOutput's)
     errors: dict[str, str]                 # request id -> why the core failed it (every sample ends "error")
     trace: list                            # the scheduler's decisions this step: [(phase, info), ...]
     finished_at: float                     # time.monotonic() when the core step ended
@@ -185,14 +185,20 @@ class OutputProcessor:
         return deltas
 
     @staticmethod
-    def _record_prompt_logprobs(group: OutputGroup, scores: list) -> None:
+    def _record_prompt_logprobs(group: OutputGroup, scored: tuple) -> None:
+        """Each scored row at its prompt position: a position scored again (a recompute-preempted prefill
+        runs its chunks again) is written again, with the same values."""
         if group.prompt_logprobs is None:
             return
-        ids = group.prompt_token_ids
-        for logprob, top in scores:
+        first, scores = scored
+        ids, entries = group.prompt_token_ids, group.prompt_logprobs
+        for position, (logprob, top) in enumerate(scores, first):
             entry = dict(top)
-            entry[ids[len(group.prompt_logprobs)]] = logprob
-            group.prompt_logprobs.append(entry)
+            entry[ids[position]] = logprob
+            if position < len(entries):
+                entries[position] = entry
+            else:
+                entries.append(entry)
 
     def _advance(self, group: OutputGroup, sample: _SampleOutput, token_id: int, logprob: tuple | None,
                  finish_reason: str | None) -> bool:

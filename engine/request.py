@@ -95,6 +95,12 @@ class Request:
         return self.num_tokens - 1 if self.output_token_ids else self.num_tokens
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill scores the prompt (prompt_logprobs): sample 0 of its group only, once for the
+        group (the samples forked from it share its prompt, and may share its cached blocks)."""
+        return self.sample_index == 0 and self.params is not None and self.params.prompt_logprobs is not None
+
+    @property
     def in_prefill(self) -> bool:
         # prefill_target, inlined: asked for every running request every step
         return self.num_computed_tokens < (self.num_tokens - 1 if self.output_token_ids else self.num_tokens)

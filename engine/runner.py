@@ -48,8 +48,9 @@ class RunnerOutput:
     tokens: dict[str, int] = dataclasses.field(default_factory=dict)  # request id -> sampled token
     # request id -> (logprob of the sampled token, [(id, logprob), ...] top-k), for requests asking logprobs
     logprobs: dict[str, tuple] = dataclasses.field(default_factory=dict)
-    # request id -> [(logprob of the next prompt token, top-k), ...] for this step's scored prompt rows
-    prompt_logprobs: dict[str, list] = dataclasses.field(default_factory=dict)
+    # request id -> (prompt position of the first, [(logprob of that prompt token, top-k), ...]) for this step's
+    # scored prompt rows
+    prompt_logprobs: dict[str, tuple[int, list]] = dataclasses.field(default_factory=dict)
 
     # The decode batch's tokens and stop mask, when it ran in one call (not in `tokens`: postprocess's fast path)
     decoded: DecodeTokens | None = None
@@ -72,10 +73,6 @@ class DecodeFlight:
     plain: bool         # every row plain argmax: no logprobs to collect
     packed: tuple       # DecodeRows.packed_rows() of its pack
     generations: np.ndarray  # i64[n]: its rows' generations at dispatch (DecodeRows.landed)
-
-
-def _wants_prompt_logprobs(request) -> bool:
-    return request.params is not None and request.params.prompt_logprobs is not None
 
 
 def _needs_full_sampler(request, history_len: int) -> bool:
@@ -256,8 +253,8 @@ class ModelRunner:
         inputs rewrites the same K/V and samples the same token (seeded draws), so the engine may rerun
         parts of a step to find the request that makes it fail."""
         out = RunnerOutput()
-        scoring = [c for c in prefills if _wants_prompt_logprobs(c.request)]
-        plain = [c for c in prefills if not _wants_prompt_logprobs(c.request)]
+        scoring = [c for c in prefills if c.request.scores_prompt]
+        plain = [c for c in prefills if not c.request.scores_prompt]
         for chunk in scoring:  # one per call: every row's logits are needed
             self._run_prefill([chunk], out, score=True)
         for i in range(0, len(plain), self.buckets.prefill_seqs):
@@ -345,7 +342,7 @@ class ModelRunner:
         if score:
             (chunk,) = chunks
             sample, scores = self._call(buf, layout, rows, score_chunk=chunk, mode=mode)
-            out.prompt_logprobs.setdefault(chunk.request.request_id, []).extend(scores)
+            out.prompt_logprobs[chunk.request.request_id] = (chunk.start + 1, scores)
         else:
             sample = self._call(buf, layout, rows, mode=mode)
         sampling = [c for c in chunks if c.samples]

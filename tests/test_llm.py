@@ -127,6 +127,34 @@ def test_n_samples_share_the_prompt_and_match_single_runs(llama):
     assert [o.token_ids for o in together.outputs] == singles
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_prompt_logprobs_once_per_request_for_any_n(llama, recompute):
+    """n samples of a request scoring its prompt: the prompt is scored once (by sample 0; the others share
+    its cached blocks), one entry per prompt token, the same as with n=1 and as transformers' log-softmax.
+    Under recompute preemption in a tight cache (16-token chunks: preempted mid-prefill too) the same."""
+    seed, torch_model, loaded = llama
+    prompt = np.random.default_rng(seed + 5).integers(3, 384, size=45).tolist()
+    config = (dict(CONFIG, num_blocks=14, preemption_mode="recompute", chunk_size=16, max_num_batched_tokens=32)
+              if recompute else CONFIG)
+    llm = LLM(loaded, EngineConfig(**config))
+    params = lambda n: SamplingParams(n=n, temperature=0.8, seed=7, max_tokens=24, prompt_logprobs=2,  # noqa: E731
+                                      ignore_eos=True)
+    stats = llm.engine.scheduler.stats
+    outs = [llm.generate([prompt] * (1 if n == 1 else 2), params(n), use_tqdm=False) for n in (1, 3)]
+    if not recompute:  # sample 0s score their prompts uncached; the forked samples hit their cached blocks
+        assert stats()["prefix_cache_hits"] >= 4 * (len(prompt) // CONFIG["block_size"]), stats()
+    if recompute:
+        assert llm.engine.scheduler.stats()["preemptions"]["recompute"] > 0
+    ref = torch.log_softmax(torch.tensor(hf_logits(torch_model, prompt)), dim=-1).numpy()
+    for out in [o for batch in outs for o in batch]:
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for pos in range(1, len(prompt)):
+            entry = out.prompt_logprobs[pos]
+            assert abs(entry[prompt[pos]] - ref[pos - 1][prompt[pos]]) < 1e-4, pos
+            assert set(np.argsort(-ref[pos - 1])[:2].tolist()) <= set(entry), pos
+    assert [len(o.outputs) for batch in outs for o in batch] == [1, 3, 3]
+
+
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
     """A random llama whose vocabulary is a byte-level BPE tokenizer's, with the tokenizer files beside it."""
