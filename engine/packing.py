@@ -55,17 +55,24 @@ def _split(buf, layout: StepLayout) -> dict:
     return parts
 
 
-def pack(seqs: Sequence[SeqSlice], layout: StepLayout, block_size: int, all_logits: bool = False) -> np.ndarray:
+def pack(seqs: Sequence[SeqSlice], layout: StepLayout, block_size: int, all_logits: bool = False,
+         after: tuple[np.ndarray, int] | None = None) -> np.ndarray:
     """Fill one int32 buffer from scratch. Logits: the last row of each sequence, or every token row if
-    `all_logits`. Decode steps use DecodeRows.pack instead, which gives the same buffer in O(changes)."""
-    buf = np.zeros(layout.size, np.int32)
+    `all_logits`. Decode steps use DecodeRows.pack instead, which gives the same buffer in O(changes).
+    `after` (buf, n): a ragged step's buffer whose first n sequences are decode rows of one token each, the
+    rest padding (DecodeRows.pack in this layout); `seqs` follow them in it."""
+    if after is None:
+        buf, first = np.zeros(layout.size, np.int32), 0
+    else:
+        (buf, first), all_logits = after, False
     views = _split(buf, layout)
     tables = views["block_tables"].reshape(layout.num_seqs, layout.width)
-    tables[:] = NULL_BLOCK
+    if after is None:
+        tables[:] = NULL_BLOCK
     # Padding tokens write into the null block (slot NULL_BLOCK * block_size == 0), so nothing real changes.
-    row = 0
+    row = first
     qsl = views["query_start_loc"]
-    for i, s in enumerate(seqs):
+    for i, s in enumerate(seqs, first):
         n = len(s.token_ids)
         end_pos = s.start + n
         positions = np.arange(s.start, end_pos, dtype=np.int32)
@@ -79,7 +86,7 @@ def pack(seqs: Sequence[SeqSlice], layout: StepLayout, block_size: int, all_logi
         row += n
         if not all_logits:
             views["logits_indices"][i] = row - 1
-    qsl[len(seqs):] = row
+    qsl[first + len(seqs):] = row
     if all_logits:
         views["logits_indices"][:row] = np.arange(row)
     if layout.decode:
@@ -238,30 +245,33 @@ class DecodeRows:
 
     def pack(self, requests, layout: StepLayout) -> np.ndarray:
         """The decode step's buffer for `requests` (each feeds its last token at position num_tokens - 1);
-        equal to pack() over the same requests."""
+        equal to pack() over the same requests. In a prefill layout (a ragged step) they are its first
+        sequences, one token row each, and the rest is padding for pack(after=...) to fill."""
         n = len(requests)
         index, positions, tokens = self.sync(requests)
         self._packed = index, positions
         buf = np.empty(layout.size, np.int32)  # every field is written whole below: no zeroing pass first
         views = _split(buf, layout)
+        fed = self.fed[index]
+        if not layout.decode and (fed >= 0).any():  # a ragged step reads every input token from the host
+            raise RuntimeError("a ragged step's decode rows need their last tokens on the host (land the step in flight)")
         tables = views["block_tables"].reshape(layout.num_seqs, layout.width)
         tables[:n] = self.tables[index]  # consecutive rows (the usual case): one block copy
-        padded = n < layout.num_seqs
-        if padded:
+        if n < layout.num_seqs:
             tables[n:] = NULL_BLOCK
         bs, counts = self.block_size, self._counts
         # A flat gather from the packed tables (cheaper than a 2-D fancy index); no int64 `%` (3x a `//`)
         page = positions // bs
         slots = tables.reshape(-1)[counts[:n] * layout.width + page] * bs + (positions - page * bs)
         # Padding rows: token 0 at position 0, writing into the null block's slot 0, attending to nothing.
-        for name, values in (("token_ids", tokens), ("token_source", self.fed[index]), ("positions", positions),
+        for name, values in (("token_ids", tokens), ("token_source", fed), ("positions", positions),
                              ("context_lens", positions + 1), ("slot_mapping", slots), ("logits_indices", counts[:n])):
+            if name not in views:  # token_source: decode layouts only
+                continue
             views[name][:n] = values
-            if padded:
-                views[name][n:] = -1 if name == "token_source" else 0
+            views[name][n:] = -1 if name == "token_source" else 0  # (padding: nothing when the rows fill it)
         views["query_start_loc"][:n + 1] = counts[:n + 1]
-        if padded:
-            views["query_start_loc"][n + 1:] = n
+        views["query_start_loc"][n + 1:] = n
         return buf
 
     def packed_positions(self) -> np.ndarray:

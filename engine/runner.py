@@ -1,9 +1,9 @@
 """ModelRunner: executes a StepPlan on the device.
 
 The scheduler decides; the runner does. Per plan it (1) copies swapped-out blocks to host memory,
-(2) copies swapped-in blocks back, (3) runs the prefill chunks, (4) runs the decode batch, each a
-jitted call over bucketed shapes with the cache donated, and returns one sampled token per request
-that samples this step. `warmup()` compiles every bucket up front; after it, `compile_guard` makes
+(2) copies swapped-in blocks back, (3) runs the prefill chunks and the decode batch in one ragged call
+(a step that only decodes: a decode call), each a jitted call over bucketed shapes with the cache
+donated, and returns one sampled token per request that samples this step. `warmup()` compiles every bucket up front; after it, `compile_guard` makes
 any new compilation an error (the tpu-inference guard).
 """
 
@@ -119,8 +119,9 @@ def powers_of_two(lo: int, hi: int) -> list[int]:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Buckets:
     decode_batch: tuple[int, ...]     # decode rows
-    prefill_tokens: tuple[int, ...]   # flat prefill rows
-    prefill_seqs: int                 # sequences per prefill call (more are split across calls)
+    prefill_tokens: tuple[int, ...]   # flat token rows of a prefill call
+    # its sequences: the step's decodes (one row each), then its prefill chunks; a scored prompt's call the first
+    prefill_seqs: tuple[int, ...]
     width: int                        # block-table width: every sequence's most pages. One width:
                                       # the kernels loop over the pages a sequence uses, not the table
     swap_blocks: tuple[int, ...]      # blocks per swap copy
@@ -129,7 +130,7 @@ class Buckets:
     def make(cls, max_num_seqs, max_num_batched_tokens, max_blocks_per_seq, max_prefill_seqs=8):
         return cls(tuple(powers_of_two(1, max_num_seqs)),
                    tuple(powers_of_two(MIN_PREFILL_TOKENS, max_num_batched_tokens)),
-                   bucket(min(max_num_seqs, max_prefill_seqs)), max_blocks_per_seq,
+                   tuple(powers_of_two(min(max_num_seqs, max_prefill_seqs), max_num_seqs)), max_blocks_per_seq,
                    tuple(powers_of_two(1, max_blocks_per_seq)))
 
     def pick(self, sizes, n):
@@ -141,14 +142,23 @@ class Buckets:
     def decode_layout(self, rows: int) -> StepLayout:
         return StepLayout(rows, rows, self.width, rows, decode=True)
 
-    def prefill_layout(self, tokens: int, all_logits: bool = False) -> StepLayout:
-        return StepLayout(tokens, self.prefill_seqs, self.width, tokens if all_logits else self.prefill_seqs,
-                          decode=False)
+    def prefill_layout(self, tokens: int, seqs: int | None = None, all_logits: bool = False) -> StepLayout:
+        seqs = seqs or self.prefill_seqs[0]
+        return StepLayout(tokens, seqs, self.width, tokens if all_logits else seqs, decode=False)
+
+    def decode_layouts(self, min_rows: int = 0) -> list[StepLayout]:
+        """The decode layouts of at least `min_rows` rows, smallest first."""
+        return [self.decode_layout(rows) for rows in self.decode_batch if rows >= min_rows]
+
+    def prefill_layouts(self, min_tokens: int = 0, min_seqs: int = 0) -> list[StepLayout]:
+        """The plain prefill layouts of at least `min_tokens` token rows and `min_seqs` sequences, smallest first
+        (by tokens, then sequences). A call has at most one sequence per token row."""
+        return [self.prefill_layout(tokens, seqs) for tokens in self.prefill_tokens if tokens >= min_tokens
+                for seqs in self.prefill_seqs if seqs >= min_seqs and (seqs == self.prefill_seqs[0] or seqs <= tokens)]
 
     def step_layouts(self) -> list[StepLayout]:
         """Every layout a plain (not prompt-scoring) step can take: what warm-up compiles."""
-        return ([self.decode_layout(rows) for rows in self.decode_batch] +
-                [self.prefill_layout(tokens) for tokens in self.prefill_tokens])
+        return self.decode_layouts() + self.prefill_layouts()
 
 
 @functools.cache
@@ -257,8 +267,12 @@ class ModelRunner:
         plain = [c for c in prefills if not c.request.scores_prompt]
         for chunk in scoring:  # one per call: every row's logits are needed
             self._run_prefill([chunk], out, score=True)
-        for i in range(0, len(plain), self.buckets.prefill_seqs):
-            self._run_prefill(plain[i:i + self.buckets.prefill_seqs], out, score=False)
+        most = self.buckets.prefill_seqs[-1]
+        if plain and len(plain) + len(decodes) <= most:  # one ragged call: the decodes ride along
+            self._run_prefill(plain, out, score=False, decodes=decodes)
+            return out
+        for i in range(0, len(plain), most):  # (more sequences than running requests can be: not from the scheduler)
+            self._run_prefill(plain[i:i + most], out, score=False)
         if decodes:
             self._run_decodes(decodes, out)
         else:
@@ -271,7 +285,10 @@ class ModelRunner:
 
     def _run_decodes(self, decodes, out: "RunnerOutput") -> None:
         buf, layout, history, mode, plain = self._pack_decodes(decodes)
-        sample = self._call(buf, layout, history, mode=mode)
+        self._decoded(decodes, self._call(buf, layout, history, mode=mode), plain, out)
+
+    def _decoded(self, decodes, sample, plain: bool, out: "RunnerOutput") -> None:
+        """The decode rows' tokens (the call's first rows) into the rows (DecodeRows.sampled) and `out`."""
         tokens = sample[0][:len(decodes)]
         rows = self.decode_rows
         rows.sampled(tokens)
@@ -330,14 +347,17 @@ class ModelRunner:
         """True when a failed jitted call had already consumed the donated KV cache: nothing can go on."""
         return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_cache))
 
-    def _run_prefill(self, chunks, out: "RunnerOutput", score: bool):
+    def _run_prefill(self, chunks, out: "RunnerOutput", score: bool, decodes=()):
+        """Prefill chunks, and `decodes` (a ragged step's decoding requests, synchronous: each feeds its last
+        token, which the host has) in the same call, as its first sequences."""
         t0 = time.perf_counter()
         seqs = [SeqSlice(c.request.all_token_ids[c.start:c.start + c.length], c.start, c.request.block_ids)
                 for c in chunks]
-        rows = [(c.request, c.start + c.length) for c in chunks]
+        rows = [(r, r.num_tokens) for r in decodes] + [(c.request, c.start + c.length) for c in chunks]
         mode = _sampler_mode(rows)
-        layout = self.layout_for(seqs, decode=False, mode=mode, all_logits=score)
-        buf = pack(seqs, layout, self.block_size, all_logits=score)
+        layout = self.layout_for(seqs, decode=False, mode=mode, all_logits=score, decodes=len(decodes))
+        after = (self.decode_rows.pack(decodes, layout), len(decodes)) if decodes else None
+        buf = pack(seqs, layout, self.block_size, all_logits=score, after=after)
         self.timings["pack_s"] += time.perf_counter() - t0
         if score:
             (chunk,) = chunks
@@ -345,8 +365,10 @@ class ModelRunner:
             out.prompt_logprobs[chunk.request.request_id] = (chunk.start + 1, scores)
         else:
             sample = self._call(buf, layout, rows, mode=mode)
-        sampling = [c for c in chunks if c.samples]
-        self._collect([c.request for c in sampling], _select_rows(sample, [chunks.index(c) for c in sampling]), out)
+        if decodes:
+            self._decoded(decodes, sample, self.decode_rows.all_plain(), out)
+        sampling = [(i, c) for i, c in enumerate(chunks, len(decodes)) if c.samples]
+        self._collect([c.request for _, c in sampling], _select_rows(sample, [i for i, _ in sampling]), out)
 
     def _collect(self, requests, sample, out: "RunnerOutput"):
         out.tokens.update(zip([r.request_id for r in requests], sample[0].tolist()))
@@ -379,24 +401,28 @@ class ModelRunner:
         return SamplingRow(params, request.seed, output_index, history, prompt_len, request.banned_token_ids,
                            allowed)
 
-    def layout_for(self, seqs, decode: bool, mode: str = "greedy", all_logits: bool = False) -> StepLayout:
-        """The bucketed layout for `seqs` (SeqSlices; for a decode step anything with a length) and the
-        sampler `mode`. While a cold lazy warm-up is still compiling (`_ready` is not None), the smallest
-        program already compiled that holds them, which may be a larger bucket than theirs: padding a step
-        costs less than compiling its program (~1 s) in it."""
+    def layout_for(self, seqs, decode: bool, mode: str = "greedy", all_logits: bool = False,
+                   decodes: int = 0) -> StepLayout:
+        """The bucketed layout for `seqs` (SeqSlices; for a decode step anything with a length), with
+        `decodes` one-token sequences before them in a prefill call, and the sampler `mode`. While a cold lazy
+        warm-up is still compiling (`_ready` is not None), the smallest program already compiled that holds
+        them, which may be a larger bucket than theirs: padding a step costs less than compiling its program
+        (~1 s) in it."""
         b = self.buckets
         if decode:
-            sizes, n, make = b.decode_batch, len(seqs), b.decode_layout
+            exact = b.decode_layout(b.pick(b.decode_batch, len(seqs)))
         else:
-            sizes, n = b.prefill_tokens, sum(len(s.token_ids) for s in seqs)
-            make = functools.partial(b.prefill_layout, all_logits=all_logits)
-        exact = b.pick(sizes, n)
+            num_seqs = b.prefill_seqs[0] if all_logits else b.pick(b.prefill_seqs, decodes + len(seqs))
+            exact = b.prefill_layout(b.pick(b.prefill_tokens, decodes + sum(len(s.token_ids) for s in seqs)), num_seqs,
+                                     all_logits)
         ready = self._ready
         if ready is not None and not all_logits:  # scored prompts' programs are never warmed: theirs
-            for size in sizes[sizes.index(exact):]:
-                if (make(size), mode) in ready:
-                    return make(size)
-        return make(exact)
+            larger = (b.decode_layouts(exact.num_seqs) if decode else
+                      b.prefill_layouts(exact.num_tokens, exact.num_seqs))
+            for layout in larger:
+                if (layout, mode) in ready:
+                    return layout
+        return exact
 
     def _call(self, buf, layout: StepLayout, rows, score_chunk=None, mode: str | None = None):
         """Run the jitted step on a packed buffer, fetch its (small) outputs. `rows`: (request, tokens
@@ -520,7 +546,7 @@ class ModelRunner:
                 now, later = [], groups
             else:
                 largest = {(max((layout for layout in layouts if layout.decode == decode),
-                                key=lambda layout: layout.num_tokens), mode)
+                                key=lambda layout: (layout.num_tokens, layout.num_seqs)), mode)
                            for decode in (True, False) for mode in modes}
                 now = [([p for programs, _ in groups for p in programs if p in largest], None)]
                 later = [(sorted([p for p in programs if p not in largest], key=lambda p: p[0].num_tokens), record)

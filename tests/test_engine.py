@@ -86,6 +86,55 @@ def test_greedy_outputs_identical_under_preemption_and_chunking(checkpoint):
         print(f"seed {seed}: accepted ties:", *ties, sep="\n  ")
 
 
+def test_a_step_that_prefills_and_decodes_makes_one_ragged_call(checkpoint):
+    """Requests arriving while others decode, in 16-token chunks: each step that runs prefill chunks and
+    decodes makes ONE device call (a prefill layout holding both, decodes first), and the tokens are
+    transformers' greedy ones (ties excepted, reported); the requests asking logprobs get transformers'
+    log-softmax of each token and its top two (each row read from its place in the call)."""
+    seed, torch_model, loaded = checkpoint
+    workload = _workload(seed + 7, loaded.cfg.vocab_size, n=8)
+    engine = LLMEngine(loaded, EngineConfig(block_size=8, max_num_seqs=8, num_blocks=256, chunk_size=16,
+                                            max_num_batched_tokens=32))
+    runner, scheduler, calls, plans = engine.runner, engine.scheduler, [], []
+    device_step, schedule = runner.device_step, scheduler.schedule
+    runner.device_step = lambda buf, md, layout, *rest: calls.append(layout) or device_step(buf, md, layout, *rest)
+    scheduler.schedule = lambda **kw: plans.append(schedule(**kw)) or plans[-1]
+    ids, outputs, ragged, pending = {}, {}, 0, list(enumerate(workload))
+    while pending or engine.has_unfinished():
+        if pending and engine.stats()["step"] % 3 == 0:  # one request every third step: prefills meet decodes
+            i, (prompt, max_tokens) = pending.pop(0)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                    logprobs=2 if i % 2 else None)
+            ids[engine.add_request(None, prompt, params)] = i
+        calls.clear(), plans.clear()
+        for delta in engine.step():
+            tokens, logprobs = outputs.setdefault(ids[delta.request_id], ([], []))
+            tokens += delta.outputs[0].token_ids
+            logprobs += delta.outputs[0].logprobs or []
+        mixed = [p for p in plans if p.prefills and p.decodes]
+        if mixed:  # a step that prefills is synchronous: its plan runs in the call that made it
+            ragged += 1
+            assert len(calls) == 1 and not calls[0].decode, f"a ragged step's calls: {calls}"
+            assert calls[0].num_seqs >= len(mixed[0].decodes) + len(mixed[0].prefills), calls[0]
+    assert ragged >= 5, f"only {ragged} steps ran prefills and decodes together"
+    ties = []
+    for i, (prompt, max_tokens) in enumerate(workload):
+        tokens, logprobs = outputs[i]
+        ref, ref_logits = hf_greedy(torch_model, prompt, max_tokens)
+        if tie := check_greedy_match(tokens, ref, ref_logits):
+            ties.append(f"request {i}: {tie}")
+        elif i % 2:
+            assert len(logprobs) == max_tokens, f"request {i}: {len(logprobs)} logprobs entries"
+            ref_logprobs = ref_logits - np.logaddexp.reduce(ref_logits, axis=-1, keepdims=True)
+            for step, (token, entry, row) in enumerate(zip(ref, logprobs, ref_logprobs)):
+                top = np.argsort(-row)[:2].tolist()
+                assert set(top) | {token} == set(entry), f"request {i} step {step}: {entry} vs top {top}"
+                for t in entry:
+                    assert abs(entry[t] - row[t]) < 2e-4, f"request {i} step {step} token {t}"
+    if ties:
+        print(f"seed {seed}: accepted ties:", *ties, sep="\n  ")
+
+
 def test_no_compilation_after_warmup(checkpoint):
     """200 requests of mixed prompt and output lengths after warmup(), half of them over a shared prefix
     (prefills starting after cache hits): zero new XLA compilations."""

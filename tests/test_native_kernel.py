@@ -24,6 +24,7 @@ from attention_cases import (  # noqa: F401  (seed is a fixture)
     check_prefill,
     decode_inputs,
     prefill_batch,
+    prefill_inputs,
     seed,
 )
 from pallas_kernels import native
@@ -226,18 +227,25 @@ def test_prefill_random_chunks(seed, attention_tiles):
                   soft_cap=8.0, what="prefill random chunks")
 
 
-def test_prefill_of_one_token_chunks_is_decode(seed, attention_tiles):
-    """A prefill whose chunks are all one token equals decode on the same cache."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prefill_of_one_token_chunks_is_decode(seed, dtype, attention_tiles):
+    """A ragged prefill's one-token sequences (a step's decodes, here among longer chunks, in random order) take
+    the decode kernel's tiles: their rows equal a decode call's on the same cache bit for bit, so a request
+    samples the same token in a ragged step as in a decode step; the chunks still match the reference."""
     rng = np.random.default_rng(seed)
-    ctx = [1, 9, 33, 100]
-    q, k, v, tables, lens = decode_inputs(rng, ctx, num_q_heads=4, num_kv_heads=2, head_dim=64,
-                                          block_size=8, dtype=jnp.float32)
-    qsl = jnp.arange(len(ctx) + 1, dtype=jnp.int32)
-    dec = paged_decode_attention_native(q, k, v, tables, lens, scale=0.125)
+    bs = 8
+    prefixes = [int(p) for p in rng.integers(0, 12 * bs, size=7)]
+    chunks = [int(c) for c in rng.permutation([1, 1, 1, 1, 13, 20, 1])]
+    q, k, v, tables, lens, qsl = prefill_inputs(rng, prefixes, chunks, num_padding=2, num_q_heads=4,
+                                                num_kv_heads=2, head_dim=64, block_size=bs, dtype=dtype)
     pre = paged_prefill_attention_native(q, k, v, tables, lens, qsl, scale=0.125)
-    # The two paths sum each score over d in different orders: a few ulp.
-    np.testing.assert_allclose(np.asarray(pre), np.asarray(dec), rtol=1e-5, atol=1e-5,
-                               err_msg=f"seed={seed}")
+    check_close(pre, paged_prefill_attention_ref(q, k, v, tables, lens, qsl, scale=0.125), dtype, seed,
+                "ragged prefill")
+    one = np.flatnonzero(np.asarray(chunks) == 1)
+    rows = np.asarray(qsl)[one]
+    dec = paged_decode_attention_native(q[rows], k, v, tables[one], lens[one], scale=0.125)
+    np.testing.assert_array_equal(np.asarray(pre[rows], np.float32), np.asarray(dec, np.float32),
+                                  err_msg=f"seed={seed}")
 
 
 # ----------------------------------------------------------------------------- API and build

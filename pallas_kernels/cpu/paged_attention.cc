@@ -33,7 +33,9 @@
 // loaded once per group, and the next pages are prefetched (they sit at random addresses).
 // Work items are (sequence, all kv heads) in decode -- each page is then one contiguous read --
 // with the heads split when the batch is small, and (sequence, query tile, kv head) in prefill,
-// where on AVX-512 a tile runs as two small GEMMs per 16 keys (PrefillTileAvx512).
+// where on AVX-512 a tile runs as two small GEMMs per 16 keys (PrefillTileAvx512). A prefill call's
+// sequences of one query row (a ragged step's decodes) take decode tiles: 2.7x faster for them than a
+// one-row GEMM tile, and the same result as a decode step's.
 // They are spread over XLA's intra-op thread pool (FFI ThreadPool context); the calling thread
 // takes items too, so the call never waits on a busy pool. FERRY_NATIVE_ATTENTION_THREADS=N caps
 // the number of threads (1 = serial); the result does not depend on it.
@@ -47,6 +49,7 @@
 #include <exception>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -718,6 +721,24 @@ void RunAnyDtype(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 
 // ----------------------------------------------------------------------------- decode
 
+// Tiles for sequences of one query row each (`seqs`; their rows query_start_loc[s], or s where it is null):
+// a decode step's, and a ragged prefill step's decoding sequences. A tile takes all kv heads of a sequence,
+// so each page is read as one contiguous run; few sequences split the heads to keep enough tiles for the
+// threads.
+std::vector<Tile> DecodeTiles(const Geometry& g, const std::vector<int64_t>& seqs, const int32_t* qsl,
+                              const int32_t* ctx) {
+  const int64_t n = static_cast<int64_t>(seqs.size());
+  const int64_t splits = std::clamp<int64_t>((16 + n - 1) / std::max<int64_t>(n, 1), 1, g.num_kv_heads);
+  const int64_t heads_per_tile = (g.num_kv_heads + splits - 1) / splits;
+  std::vector<Tile> tiles;
+  tiles.reserve(n * splits);
+  for (const int64_t s : seqs)
+    for (int64_t h = 0; h < g.num_kv_heads; h += heads_per_tile)
+      tiles.push_back(Tile{qsl != nullptr ? qsl[s] : s, 1, static_cast<int64_t>(ctx[s]) - 1, s, h,
+                           std::min(heads_per_tile, g.num_kv_heads - h)});
+  return tiles;
+}
+
 ffi::Error DecodeBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
                       ffi::Result<ffi::AnyBuffer>& out, float scale, float soft_cap) {
@@ -727,18 +748,9 @@ ffi::Error DecodeBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (tables.dimensions()[0] != S)
     return ffi::Error::InvalidArgument(
         "ferry paged decode attention: q must have one row per sequence");
-  const int32_t* ctx = lens.typed_data();
-  // A tile takes all kv heads of a sequence, so each page is read as one contiguous run; small
-  // batches split the heads to keep enough tiles for the threads.
-  const int64_t splits = std::clamp<int64_t>((16 + S - 1) / std::max<int64_t>(S, 1), 1,
-                                             g.num_kv_heads);
-  const int64_t heads_per_tile = (g.num_kv_heads + splits - 1) / splits;
-  std::vector<Tile> tiles;
-  tiles.reserve(S * splits);
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t h = 0; h < g.num_kv_heads; h += heads_per_tile)
-      tiles.push_back(Tile{s, 1, static_cast<int64_t>(ctx[s]) - 1, s, h,
-                           std::min(heads_per_tile, g.num_kv_heads - h)});
+  std::vector<int64_t> seqs(S);
+  std::iota(seqs.begin(), seqs.end(), int64_t{0});
+  const std::vector<Tile> tiles = DecodeTiles(g, seqs, nullptr, lens.typed_data());
   RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, tiles, /*decode=*/true);
   return ffi::Error::Success();
 }
@@ -762,9 +774,15 @@ ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   // tiles (measured: 1.1-1.3x of 32 at 512-token chunks, the same at 128).
   const int64_t tile_rows = std::max<int64_t>(1, (UseAvx512AttentionTiles(g) ? 64 : 32) / g.group);
   std::vector<Tile> tiles;
+  std::vector<int64_t> one_row;  // sequences of one query row (a ragged step's decodes): decode tiles
   std::vector<char> covered(T, 0);
   for (int64_t s = 0; s < S; ++s) {
     const int64_t start = qsl[s], q_len = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
+    if (q_len == 1 && start >= 0 && start < T) {
+      one_row.push_back(s);
+      covered[start] = 1;
+      continue;
+    }
     // Rows of the chunk that exist in q (the reference drops the rest).
     const int64_t lo = std::max<int64_t>(0, -start), hi = std::min<int64_t>(q_len, T - start);
     for (int64_t i0 = lo; i0 < hi; i0 += tile_rows) {
@@ -788,6 +806,7 @@ ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
     return a.first_pos + a.nrows > b.first_pos + b.nrows;
   });
+  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, DecodeTiles(g, one_row, qsl, ctx), /*decode=*/true);
   RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, tiles, /*decode=*/false);
   return ffi::Error::Success();
 }
