@@ -83,6 +83,7 @@ class Linear(nnx.Linear):
     a stack of one."""
 
     layer = None  # int32 [] while the kernel is a packed stack of the layers; set by scan_layers
+    rows = None  # int32 []: x's real rows (a packed kernel leaves the padding rows after them unwritten); per step
     column_groups = 1  # the kernel's equal column parts (a fused [gate | up]: 2), each packed apart
 
     def __call__(self, x):
@@ -105,7 +106,7 @@ class Linear(nnx.Linear):
         """native.stacked_matmul of x over this packed kernel (its layer of the stack; the head: 0)."""
         layer = 0 if self.layer is None else self.layer
         return native.stacked_matmul(x.astype(self.dtype), self.kernel[...], layer, n=self.out_features,
-                                     groups=self.column_groups, **kwargs)
+                                     groups=self.column_groups, rows=self.rows, **kwargs)
 
 
 def matmul(x, w, transpose_w: bool = False):
@@ -323,15 +324,20 @@ class Transformer(nnx.Module):
                                         md.for_layer(index, num_blocks, block_size), attention_impl)
             return x, k_pool, v_pool
 
+        # The real token rows and logits rows: a bucketed step's padding comes after them (its sequences start
+        # at the end of the tokens), and packed kernels skip it.
+        rows = md.query_start_loc[-1]
+        logits_rows = rows if len(logits_indices) == len(token_ids) else jnp.sum(md.query_start_loc[:-1] < rows)
         # The cache rides in the carry as one pool of every layer's pages: each layer scatters into
         # it and its kernel reads it in place (a per-layer slice would copy the layer's pages).
         x, k_pool, v_pool = self.scan_layers(layer_step, (x, layer_pool(k_pages), layer_pool(v_pages)),
-                                             jnp.arange(cfg.num_layers))
+                                             jnp.arange(cfg.num_layers), rows=rows)
         new_cache = (k_pool.reshape(k_pages.shape), v_pool.reshape(v_pages.shape))
         x = self.norm(x[logits_indices])  # only the rows we sample from (RMSNorm is per token)
         if cfg.tie_word_embeddings:
             logits = matmul(x.astype(self.dtype), self.embed_tokens.embedding[...], transpose_w=True)
         else:
+            self.lm_head.rows = logits_rows
             logits = self.lm_head.float32_out(x)
         if model_axis_size() > 1:
             # Vocabulary-sharded rows, then one all-gather of them for the sampler: left free, XLA may
@@ -344,10 +350,11 @@ class Transformer(nnx.Module):
         return logits, new_cache
 
 
-    def scan_layers(self, fn, carry, xs=None):
+    def scan_layers(self, fn, carry, xs=None, rows=None):
         """`carry` through every layer in order, one traced layer (jax.lax.scan):
         fn(layer, carry, x) -> carry, where layer is a DecoderLayer holding that layer's parameters
         and x that layer's slice of `xs` (None: nothing). Per-layer modules (scan=False) run unrolled.
+        `rows`: the real rows of the carried activations, for the packed kernels (Linear.rows).
 
         The scan's slice of a stacked array is a copy on XLA CPU: its library dots (YNNPACK) take
         static slices only, so every step copied each layer's weights (decode CPU time +35..39% at
@@ -379,7 +386,7 @@ class Transformer(nnx.Module):
             layer = nnx.merge(graphdef, kernels, layer_state)
             for _, module in nnx.iter_modules(layer):
                 if isinstance(module, Linear):
-                    module.layer = index
+                    module.layer, module.rows = index, rows
                 elif isinstance(module, RMSNorm):
                     module.native_kernel = True
             return fn(layer, c, x), None

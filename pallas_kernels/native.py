@@ -63,7 +63,7 @@ KV_WRITE_TARGET = "ferry_kv_write"
 STACKED_MATMUL_TARGET = "ferry_stacked_matmul"
 RMS_NORM_TARGET = "ferry_rms_norm"
 ADD_RMS_NORM_TARGET = "ferry_add_rms_norm"
-ABI_VERSION = 7  # FerryPagedAttentionAbiVersion() in the .cc
+ABI_VERSION = 8  # FerryPagedAttentionAbiVersion() in the .cc
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -382,7 +382,7 @@ def unpack_stacked(packed, k: int, n: int, groups: int = 1):
 
 
 def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | None = None,
-                   dtype=jnp.float32, round_to=None):
+                   dtype=jnp.float32, round_to=None, rows=None):
     """x [..., K] @ w[layer] -> [..., n], float32, where packed_w = pack_stacked(w, groups) for w [L, K, n]
     (float32, or bfloat16: widened exactly as it is read, the sums in float32), x float32 (or bfloat16
     under bfloat16 weights: on a CPU with AVX512-BF16 its pairs of products go through the bf16 dot
@@ -398,7 +398,10 @@ def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | 
 
     `round_to` (not gated; None, float32 or bfloat16): the float32 result rounded to that dtype's precision,
     y.astype(round_to).astype(float32) in one pass, as a bf16 LM head's logits reach the sampler (XLA's two
-    converts of [64, 32000] logits cost ~0.5 ms a step)."""
+    converts of [64, 32000] logits cost ~0.5 ms a step).
+
+    `rows` (an int32 scalar; None: all of them): only x's first `rows` rows (flattened) are computed, the
+    rest of the result left unwritten (garbage): a bucketed step's padding rows, which no real row reads."""
     if not available():
         raise RuntimeError(f"native CPU stacked matmul unavailable: {unavailable_reason()}")
     if packed_w.dtype not in SUPPORTED_DTYPES or x.dtype not in {jnp.dtype(jnp.float32), packed_w.dtype}:
@@ -418,11 +421,12 @@ def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | 
             raise ValueError(f"native gated stacked matmul: act one of {GATED_ACTIVATIONS}, groups 2 and a "
                              f"float32 or bfloat16 dtype needed; got {gated!r}, groups {groups}, {jnp.dtype(dtype)}")
         width //= 2
-    rows = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(STACKED_MATMUL_TARGET,
-                            jax.ShapeDtypeStruct((rows.shape[0], width), dtype if gated else jnp.float32),
+                            jax.ShapeDtypeStruct((x2.shape[0], width), dtype if gated else jnp.float32),
                             vmap_method="sequential")
-    y = call(rows, packed_w, jnp.asarray(layer, jnp.int32).reshape(()),
+    rows = x2.shape[0] if rows is None else rows
+    y = call(x2, packed_w, jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(rows, jnp.int32).reshape(()),
              act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)), groups=np.int32(groups),
              round_bf16=np.int32(round_bf16))
     return y.reshape(*x.shape[:-1], width)

@@ -368,6 +368,14 @@ def test_stacked_matmul_matches_dot(seed, x_dtype, w_dtype, path, monkeypatch):
         for dtype in (jnp.bfloat16, jnp.float32):
             np.testing.assert_array_equal(np.asarray(matmul(x, packed, 1, round_to=dtype)),
                                           np.asarray(sums.astype(dtype).astype(jnp.float32)))
+        # rows: only x's first `rows` (clamped into [0, M]) are computed, each as in the whole batch; the
+        # rest (a bucketed step's padding) is left unwritten
+        for rows in {0, m // 2, m - 1, m, m + 3, -2}:
+            real = min(max(rows, 0), m)
+            out = np.asarray(run_poisoned(lambda _, x, w, r: matmul(x, w, 1, rows=r), poison, x, packed,
+                                          jnp.int32(rows)))
+            np.testing.assert_array_equal(out[:real], np.asarray(sums)[:real], err_msg=f"rows={rows}")
+            assert np.isnan(out[real:]).all(), f"rows={rows}: padding rows written"
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,path", [
@@ -396,6 +404,11 @@ def test_gated_stacked_matmul_matches_its_parts(seed, x_dtype, w_dtype, path, ac
         matmul = functools.partial(native.stacked_matmul, n=2 * half, groups=2)
         out = run_poisoned(lambda _, x, w: matmul(x, w, 1, gated=act, dtype=dtype), poison, x, packed)
         ref = native.gated_activation(matmul(x, packed, 1), dtype, act)
+        real = m // 2  # rows: the first ones computed alike, the rest unwritten
+        part = run_poisoned(lambda _, x, w: matmul(x, w, 1, gated=act, dtype=dtype, rows=real), poison, x, packed)
+        np.testing.assert_array_equal(np.asarray(part[:real].astype(jnp.float32)),
+                                      np.asarray(out[:real].astype(jnp.float32)), err_msg=f"M={m} rows={real}")
+        assert np.isnan(np.asarray(part[real:].astype(jnp.float32))).all(), f"M={m}: padding rows written"
         out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
         # Absolute slack for GELU's tail, where 1 + tanh(z) cancels: two tanh approximations 1e-7 apart
         # differ there by ~1e-6 of |gate|.
@@ -484,7 +497,8 @@ def test_rms_norm_rejects_bad_inputs():
 def test_scanned_layers_read_packed_kernels_in_place(seed, dtype):
     """With the kernels packed (pack_kernels, as the engine does on CPU), the compiled decode and prefill
     steps run the scanned layers' four linears as stacked-matmul custom calls on the whole packed stacks
-    (and the untied LM head on its own), and no dynamic-slice or copy of a layer's [K, N] kernel is left
+    (and the untied LM head on its own), each told the step's real rows (its padding skipped), and no
+    dynamic-slice or copy of a layer's [K, N] kernel is left
     (XLA CPU copied one per layer per step), nor a float32 copy of a bfloat16 stack (XLA CPU widens a bf16
     scan operand whole, every step). Logits match the unpacked model's (XLA's dots on the scan's slices)."""
     from engine.packing import SeqSlice, StepLayout, pack
@@ -510,9 +524,12 @@ def test_scanned_layers_read_packed_kernels_in_place(seed, dtype):
     dt = 'f32' if dtype == jnp.float32 else 'bf16'
     for layout in (decode, prefill):
         lines = model_step.lower(*args(layout, packed_state)).compile().as_text().splitlines()
-        calls = [line.split("operand_layout_constraints")[1] for line in lines
-                 if "ferry_stacked_matmul" in line and "custom-call(" in line]
+        call_lines = [line for line in lines if "ferry_stacked_matmul" in line and "custom-call(" in line]
+        calls = [line.split("operand_layout_constraints")[1] for line in call_lines]
         assert len(calls) == 5, calls  # the layers' four linears and the LM head (a stack of one)
+        # Each takes the step's real rows (its last operand) from the buffer, not a constant: padding skipped
+        rows_operands = [line.split("custom-call(")[1].split(")")[0].split(", ")[-1] for line in call_lines]
+        assert not [r for r in rows_operands if r.startswith("%constant")], rows_operands
         assert sum(f"{dt}[{cfg.num_layers}," in line for line in calls) == 4, calls
         assert sum(f"{dt}[1," in line for line in calls) == 1, calls
         copies = [line for line in lines if ("dynamic-slice(" in line or " copy(" in line or " convert(" in line)

@@ -9,8 +9,9 @@
 //                               slot_mapping [T] i32  -> pages with row slot_mapping[t] = new[t]
 //                               (rows of the leading dims in order; aliased in place; slots outside
 //                               the rows are dropped)
-//   FerryStackedMatmul          x [M, K] f32 (or bf16 under bf16 w), w [L, K, N] f32 or bf16, layer [] i32
-//                               -> x @ w[layer] [M, N] f32 (w[layer] read in place; see "stacked
+//   FerryStackedMatmul          x [M, K] f32 (or bf16 under bf16 w), w [L, K, N] f32 or bf16, layer [] i32,
+//                               rows [] i32 -> x[:rows] @ w[layer] [M, N] f32 (rows past `rows` unwritten;
+//                               w[layer] read in place; see "stacked
 //                               matmul" below); attribute act >= 0: act(gate) * up of its [gate | up]
 //                               halves, [M, N/2] f32 or bf16 (see "gated activation")
 //   FerryRmsNorm                x [M, K] f32 or bf16, w [K] (x's dtype)     -> RMSNorm(x) [M, K]
@@ -1629,8 +1630,8 @@ struct MatmulWork {
 };
 
 ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer>& y, int32_t act,
-                             int32_t groups, int32_t round_bf16) {
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer>& y,
+                             int32_t act, int32_t groups, int32_t round_bf16) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const bool gated = act >= 0;
   if (act > 1) return ffi::Error::InvalidArgument("ferry stacked matmul: act must be -1, 0 or 1");
@@ -1641,9 +1642,10 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   const bool bf16 = w.element_type() == ffi::DataType::BF16;
   if (!bf16 && w.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("ferry stacked matmul: w must be float32 or bfloat16");
-  if (xd.size() != 2 || yd.size() != 2 || layer.element_count() != 1 || yd[0] != xd[0] || wd.size() != 4)
-    return ffi::Error::InvalidArgument("ferry stacked matmul: expected x [M,K], packed w [L,P,KP,64E], layer [] "
-                                       "and y [M,N] (gated: [M,N/2])");
+  if (xd.size() != 2 || yd.size() != 2 || layer.element_count() != 1 || rows.element_count() != 1 ||
+      yd[0] != xd[0] || wd.size() != 4)
+    return ffi::Error::InvalidArgument("ferry stacked matmul: expected x [M,K], packed w [L,P,KP,64E], layer [], "
+                                       "rows [] and y [M,N] (gated: [M,N/2])");
   const int64_t n = gated ? 2 * yd[1] : yd[1], k = xd[1];
   const int64_t part_cols = n / groups, part_panels = (part_cols + kPanelCols - 1) / kPanelCols;
   if (n % groups != 0 || wd[1] != groups * part_panels || wd[2] != (bf16 ? (k + 1) / 2 : k) ||
@@ -1660,9 +1662,12 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   // Clamped like XLA's dynamic-slice clamps its start index.
   const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, wd[0] - 1);
   const int64_t element_bytes = bf16 ? 2 : 4;
+  // Only x's first `rows` rows are computed (clamped into [0, M]): a bucketed step's padding rows are left
+  // unwritten, their values never read by a real row.
+  const int64_t m = std::clamp<int64_t>(*rows.typed_data(), 0, xd[0]);
   Matmul p{static_cast<const float*>(x.untyped_data()),
            static_cast<const char*>(w.untyped_data()) + l * wd[1] * wd[2] * wd[3] * element_bytes,
-           static_cast<float*>(y->untyped_data()), xd[0], k, n};
+           static_cast<float*>(y->untyped_data()), m, k, n};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   p.w_bf16 = bf16;
   p.round_bf16 = round_bf16 == 1;
@@ -1702,9 +1707,9 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
 }
 
 ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y, int32_t act,
-                             int32_t groups, int32_t round_bf16) {
-  return Guarded([&] { return StackedMatmulBody(pool, x, w, layer, y, act, groups, round_bf16); });
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> y,
+                             int32_t act, int32_t groups, int32_t round_bf16) {
+  return Guarded([&] { return StackedMatmulBody(pool, x, w, layer, rows, y, act, groups, round_bf16); });
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -1934,6 +1939,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmul, StackedMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] f32, or bf16 under bf16 w
                                   .Arg<ffi::AnyBuffer>()  // w [L, P, KP, 64E] f32 or bf16, packed
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows []: x's real rows (the rest unwritten)
                                   .Ret<ffi::AnyBuffer>()  // y [M, N] f32; gated: [M, N/2] f32 or bf16
                                   .Attr<int32_t>("act")      // -1: none; gated: 0 SiLU, 1 GELU (tanh)
                                   .Attr<int32_t>("groups")   // w's column parts, each padded to panels
@@ -1969,7 +1975,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryAddRmsNorm, AddRmsNormImpl,
 #ifndef FERRY_JAXLIB_VERSION
 #define FERRY_JAXLIB_VERSION "unknown"
 #endif
-extern "C" int FerryPagedAttentionAbiVersion() { return 7; }
+extern "C" int FerryPagedAttentionAbiVersion() { return 8; }
 extern "C" const char* FerryPagedAttentionSourceHash() { return FERRY_SOURCE_HASH; }
 extern "C" const char* FerryPagedAttentionJaxlibVersion() { return FERRY_JAXLIB_VERSION; }
 
