@@ -61,10 +61,9 @@ def pack(seqs: Sequence[SeqSlice], layout: StepLayout, block_size: int, all_logi
     `all_logits`. Decode steps use DecodeRows.pack instead, which gives the same buffer in O(changes).
     `after` (buf, n): a ragged step's buffer whose first n sequences are decode rows of one token each, the
     rest padding (DecodeRows.pack in this layout); `seqs` follow them in it."""
-    if after is None:
-        buf, first = np.zeros(layout.size, np.int32), 0
-    else:
-        (buf, first), all_logits = after, False
+    if after is not None and all_logits:
+        raise ValueError("a ragged step's decode rows have one logits row each: not all_logits")
+    buf, first = (np.zeros(layout.size, np.int32), 0) if after is None else after
     views = _split(buf, layout)
     tables = views["block_tables"].reshape(layout.num_seqs, layout.width)
     if after is None:

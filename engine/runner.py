@@ -2,9 +2,9 @@
 
 The scheduler decides; the runner does. Per plan it (1) copies swapped-out blocks to host memory,
 (2) copies swapped-in blocks back, (3) runs the prefill chunks and the decode batch in one ragged call
-(a step that only decodes: a decode call), each a jitted call over bucketed shapes with the cache
-donated, and returns one sampled token per request that samples this step. `warmup()` compiles every bucket up front; after it, `compile_guard` makes
-any new compilation an error (the tpu-inference guard).
+(a step that only decodes: a decode call), a jitted call over bucketed shapes with the cache donated,
+and returns one sampled token per request that samples this step. `warmup()` compiles every bucket up
+front; after it, `compile_guard` makes any new compilation an error (the tpu-inference guard).
 """
 
 import atexit

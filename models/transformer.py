@@ -94,11 +94,17 @@ class Linear(nnx.Linear):
             y = self.packed_matmul(x).astype(self.dtype)
         return y if self.bias is None else y + self.bias[...]
 
+    @property
+    def packed_sums(self) -> bool:
+        """Whether packed_matmul's float32 sums are this layer's output before its rounding (a packed kernel,
+        no bias): what a native epilogue (the MLP's gate, the residual add) can take straight."""
+        return self.kernel[...].ndim == 4 and self.bias is None
+
     def float32_out(self, x):
         """self(x).astype(float32): the LM head's logits, a residual branch for RMSNorm's add. A packed
         kernel rounds its float32 sums to the model dtype's precision as it stores them, where XLA
         converted [rows, vocab] to the dtype and back."""
-        if self.kernel[...].ndim == 4 and self.bias is None:
+        if self.packed_sums:
             return self.packed_matmul(x, round_to=self.dtype)
         return self(x).astype(jnp.float32)
 
@@ -246,7 +252,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         act, proj = ("gelu_tanh" if self.gelu else "silu"), self.gate_up_proj
-        if proj.kernel[...].ndim == 4 and proj.bias is None:
+        if proj.packed_sums:
             # A packed stack (scanned layers on CPU): the activation runs in the matmul's panels, with
             # no float32 [tokens, 2I] round trip through memory (a tenth of a bf16 prefill step).
             hidden = proj.packed_matmul(x, gated=act, dtype=proj.dtype)
