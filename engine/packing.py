@@ -265,12 +265,15 @@ class DecodeRows:
         # Padding rows: token 0 at position 0, writing into the null block's slot 0, attending to nothing.
         for name, values in (("token_ids", tokens), ("token_source", fed), ("positions", positions),
                              ("context_lens", positions + 1), ("slot_mapping", slots), ("logits_indices", counts[:n])):
-            if name not in views:  # token_source: decode layouts only
+            view = views.get(name)  # token_source: decode layouts only
+            if view is None:
                 continue
-            views[name][:n] = values
-            views[name][n:] = -1 if name == "token_source" else 0  # (padding: nothing when the rows fill it)
+            view[:n] = values
+            if n < len(view):  # padding (a full batch has none: no empty numpy writes on the hot path)
+                view[n:] = -1 if name == "token_source" else 0
         views["query_start_loc"][:n + 1] = counts[:n + 1]
-        views["query_start_loc"][n + 1:] = n
+        if n < layout.num_seqs:
+            views["query_start_loc"][n + 1:] = n
         return buf
 
     def packed_positions(self) -> np.ndarray:

@@ -11,8 +11,8 @@
 //                               the rows are dropped)
 //   FerryStackedMatmul          x [M, K] f32 (or bf16 under bf16 w), w [L, K, N] f32 or bf16, layer [] i32,
 //                               rows [] i32 -> x[:rows] @ w[layer] [M, N] f32 (rows past `rows` unwritten;
-//                               w[layer] read in place; see "stacked
-//                               matmul" below); attribute act >= 0: act(gate) * up of its [gate | up]
+//                               w[layer] read in place; see "stacked matmul" below); attribute
+//                               act >= 0: act(gate) * up of its [gate | up]
 //                               halves, [M, N/2] f32 or bf16 (see "gated activation")
 //   FerryRmsNorm                x [M, K] f32 or bf16, w [K] (x's dtype)     -> RMSNorm(x) [M, K]
 //   FerryAddRmsNorm             x [M, K], delta [M, K] (f32 or x's dtype), w [K]
