@@ -423,6 +423,26 @@ def test_gated_stacked_matmul_matches_its_parts(seed, x_dtype, w_dtype, path, ac
         assert moved[0] < limit * moved[1], f"{moved[0]} of {moved[1]} bf16 outputs moved seed={seed}"
 
 
+def test_gated_bf16_rounding_by_the_cpus_conversion_is_the_integer_rounding(seed, monkeypatch):
+    """A bf16 SiLU gate's three roundings by AVX512-BF16's conversion (where the CPU has it) give the
+    integer rounding's bits. x float32 under bf16 weights: both runs sum through the same widened tiles, so
+    only the roundings differ (FERRY_NATIVE_MATMUL_NO_BF16_DOT=1 takes the integer ones). Gates from -200 to
+    200 reach exp's clamps; ties at bfloat16's precision come from the product of two bf16 values."""
+    rng = np.random.default_rng(seed)
+    m, k, half = 37, 96, 200
+    w = jnp.asarray(rng.standard_normal((2, k, 2 * half)) * rng.choice([0.02, 0.3, 3.0], (1, 1, 2 * half)),
+                    jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    matmul = jax.jit(lambda x, w: native.stacked_matmul(x, w, 1, n=2 * half, groups=2, gated="silu",
+                                                        dtype=jnp.bfloat16))
+    packed = native.pack_stacked(w, 2)
+    converted = np.asarray(matmul(x, packed).astype(jnp.float32))
+    monkeypatch.setenv("FERRY_NATIVE_MATMUL_NO_BF16_DOT", "1")
+    integer = np.asarray(matmul(x, packed).astype(jnp.float32))
+    assert np.abs(converted).max() > 50 and (converted == 0).mean() < 0.01  # the clamps reached, no rows lost
+    np.testing.assert_array_equal(converted, integer)
+
+
 def test_stacked_matmul_rejects_bad_inputs():
     x, w = jnp.zeros((2, 8), jnp.float32), native.pack_stacked(jnp.zeros((3, 8, 4), jnp.float32))
     with pytest.raises(ValueError, match="float32"):

@@ -890,6 +890,7 @@ struct Matmul {
   int act = -1;
   void* gated_out = nullptr;
   bool gated_bf16 = false;
+  bool bf16_convert = false;  // round to bfloat16 by AVX512-BF16's conversion (the AVX-512 SiLU)
   // Not gated: y's sums rounded to bfloat16's precision, kept float32 (a bf16 LM head's logits as the
   // sampler reads them, without a bf16 array between; see RoundedToBf16).
   bool round_bf16 = false;
@@ -1010,6 +1011,95 @@ FERRY_AVX512 FERRY_INLINE __m512 RoundedToBf16x16(__m512 x) {
 
 FERRY_INLINE __mmask16 LeadingLanes(int64_t count) {  // the first min(count, 16) lanes
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
+}
+
+// exp(x) for x in [-87, 88]: ExpInRange's reduction and polynomial, 16 lanes.
+FERRY_AVX512 FERRY_INLINE __m512 Exp512InRange(__m512 x) {
+  const __mmask16 all = 0xFFFF;  // zero-masked forms: see LoadBf16Lanes
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                 _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits =
+      _mm512_maskz_slli_epi32(all, _mm512_add_epi32(_mm512_maskz_cvtps_epi32(all, n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// exp(x) for x <= 0 or -inf, 16 lanes (ExpNonPositive's steps): 0 below -87.
+FERRY_AVX512 FERRY_INLINE __m512 Exp512NonPositive(__m512 x) {
+  const __m512 y = Exp512InRange(_mm512_maskz_max_ps(0xFFFF, x, _mm512_set1_ps(-87.0f)));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), y);
+}
+
+// 16 lanes at T's precision (the pointer only picks T), and their store into T (v already at its precision).
+FERRY_AVX512 FERRY_INLINE __m512 Rounded16(__m512 v, const float*) { return v; }
+FERRY_AVX512 FERRY_INLINE __m512 Rounded16(__m512 v, const uint16_t*) { return RoundedToBf16x16(v); }
+FERRY_AVX512 FERRY_INLINE void Store16(float* y, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(y, m, v); }
+FERRY_AVX512 FERRY_INLINE void Store16(uint16_t* y, __mmask16 m, __m512 v) {
+  _mm256_mask_storeu_epi16(y, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+// RoundedToBf16x16 by the CPU's conversion (AVX512-BF16's vcvtneps2bf16, which rounds to nearest even too;
+// only where UseDpbf16Matmul), and the bfloat16 bits of 16 lanes so rounded. In asm, so the code around it
+// needs no AVX512-BF16 target of its own.
+FERRY_AVX512 FERRY_INLINE __m256i Bf16Bits16(__m512 v) {
+  __m256i bits;
+  asm("vcvtneps2bf16 %1, %0" : "=v"(bits) : "v"(v));
+  return bits;
+}
+FERRY_AVX512 FERRY_INLINE __m512 RoundedToBf16Cvt16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(Bf16Bits16(v)), 16));
+}
+
+template <typename TOut, bool kCvt>
+FERRY_AVX512 FERRY_INLINE __m512 RoundedFor(__m512 v) {  // to TOut's precision
+  if constexpr (!std::is_same_v<TOut, uint16_t>) return v;
+  else if constexpr (kCvt) return RoundedToBf16Cvt16(v);
+  else return RoundedToBf16x16(v);
+}
+
+// GatedRowsOf<TOut, 0> (SiLU) 16 columns at a time, its steps and roundings; kCvt: the roundings by the
+// CPU's conversion. GCC's vectors of GatedRowsOf spent 12-17% of a gated [512, 512] @ [512, 4096] bf16 call
+// in it, most of that in the integer roundings (notes, session 16).
+template <typename TOut, bool kCvt>
+FERRY_AVX512 void SiluRowsAvx512(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t cols,
+                                 TOut* out, int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r, gate += ld, up += ld, out += ldo) {
+    for (int64_t i = 0; i < cols; i += 16) {
+      const __mmask16 m = LeadingLanes(cols - i);
+      const __m512 g = RoundedFor<TOut, kCvt>(_mm512_maskz_loadu_ps(m, gate + i));
+      const __m512 u = RoundedFor<TOut, kCvt>(_mm512_maskz_loadu_ps(m, up + i));
+      const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), g);  // ExpClamped(-g)
+      const __m512 e =
+          Exp512InRange(_mm512_min_ps(_mm512_max_ps(neg, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)));
+      const __m512 act = RoundedFor<TOut, kCvt>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+      if constexpr (std::is_same_v<TOut, uint16_t> && kCvt)
+        _mm256_mask_storeu_epi16(out + i, m, Bf16Bits16(_mm512_mul_ps(act, u)));
+      else
+        Store16(out + i, m, RoundedFor<TOut, kCvt>(_mm512_mul_ps(act, u)));
+    }
+  }
+}
+
+// GatedRows on AVX-512: SiLU by hand, the rest (GELU) GCC's vectors.
+void GatedRowsAvx512(const Matmul& p, const float* gate, const float* up, int64_t ld, int64_t r0, int64_t rows,
+                     int64_t n0, int64_t cols) {
+  if (p.act != 0) return GatedRows(p, gate, up, ld, r0, rows, n0, cols);
+  const int64_t ldo = p.n / 2;
+  if (!p.gated_bf16) {
+    float* out = static_cast<float*>(p.gated_out) + r0 * ldo + n0;
+    return SiluRowsAvx512<float, false>(gate, up, ld, rows, cols, out, ldo);
+  }
+  uint16_t* out = static_cast<uint16_t*>(p.gated_out) + r0 * ldo + n0;
+  if (p.bf16_convert) return SiluRowsAvx512<uint16_t, true>(gate, up, ld, rows, cols, out, ldo);
+  SiluRowsAvx512<uint16_t, false>(gate, up, ld, rows, cols, out, ldo);
 }
 
 // Lines of a later panel to ask for, kAheadLines per k step of a tile (which reads 4: a panel row).
@@ -1156,12 +1246,14 @@ void MatmulItemAvx512(const Matmul& p, const PanelTileFn* tiles, int64_t item, i
       float sums[2][kRowBlock * kPanelCols];
       tile(p, p.Panel(item), r0, cols, sums[0], kPanelCols, ahead(next, rb));
       tile(p, p.Panel(p.part_panels + item), r0, cols, sums[1], kPanelCols, ahead(p.part_panels + next, rb));
-      GatedRows(p, sums[0], sums[1], kPanelCols, r0, rows, c0, cols);
+      GatedRowsAvx512(p, sums[0], sums[1], kPanelCols, r0, rows, c0, cols);
     }
   }
 }
 
-bool UseDpbf16Matmul() {  // FERRY_NATIVE_MATMUL_NO_BF16_DOT=1 widens bf16 x instead (tests)
+// AVX512-BF16's dot products and conversion; FERRY_NATIVE_MATMUL_NO_BF16_DOT=1 (tests) widens bf16 x instead
+// and rounds to bfloat16 by integer ops.
+bool UseDpbf16Matmul() {
   const char* env = std::getenv("FERRY_NATIVE_MATMUL_NO_BF16_DOT");
   if (env != nullptr && *env == '1') return false;
   return __builtin_cpu_supports("avx512bf16");
@@ -1184,27 +1276,6 @@ bool UseAvx512Matmul() {  // FERRY_NATIVE_MATMUL_GENERIC=1 forces the portable l
 //   P^T[t] = exp(S^T[t] - m) masked to the keys each lane sees (position < its key count)
 //   acc[m] = acc[m] * alpha[m] + sum_t P^T[t][m] * V[t]
 // K and V rows are widened to float32 16 at a time (they are read once per tile, as before).
-
-// exp(x) for x <= 0 or -inf: ExpInRange's reduction and polynomial, 16 lanes (ExpNonPositive's bits).
-FERRY_AVX512 FERRY_INLINE __m512 Exp512NonPositive(__m512 x) {
-  const __mmask16 all = 0xFFFF;  // zero-masked forms: see LoadBf16Lanes
-  const __m512 xc = _mm512_maskz_max_ps(all, x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f),
-                                                 _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits =
-      _mm512_maskz_slli_epi32(all, _mm512_add_epi32(_mm512_maskz_cvtps_epi32(all, n), _mm512_set1_epi32(127)), 23);
-  y = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), y);
-}
 
 FERRY_AVX512 FERRY_INLINE void WidenRow(const float* src, int64_t d, float* dst) { std::memcpy(dst, src, d * 4); }
 FERRY_AVX512 FERRY_INLINE void WidenRow(const uint16_t* src, int64_t d, float* dst) {
@@ -1682,6 +1753,7 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   const bool avx512 = UseAvx512Matmul();
   // bf16 dot products for every row count (one row too): a row's sums do not depend on the batch.
   const bool dpbf16 = x16 && avx512 && UseDpbf16Matmul();
+  p.bf16_convert = avx512 && UseDpbf16Matmul();
   std::vector<float> widened;  // bf16 x for the float32 paths: widened once, exactly
   if (x16) {
     p.x16 = static_cast<const uint16_t*>(x.untyped_data());
@@ -1795,12 +1867,6 @@ FERRY_CLONES_512 void RmsNormRowsBf16(const RmsNorm& p, int64_t r0, int64_t r1) 
 #ifdef FERRY_HAVE_AVX512_MATMUL
 // RmsNormRowsOf's steps 16 lanes at a time (its bits but for the order of the sum of squares): GCC's own
 // vectors of it were 256 bits wide with a scalar-style rounding, 25 us for a [64, 512] bf16 add and norm.
-FERRY_AVX512 FERRY_INLINE __m512 Rounded16(__m512 v, const float*) { return v; }
-FERRY_AVX512 FERRY_INLINE __m512 Rounded16(__m512 v, const uint16_t*) { return RoundedToBf16x16(v); }
-FERRY_AVX512 FERRY_INLINE void Store16(float* y, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(y, m, v); }
-FERRY_AVX512 FERRY_INLINE void Store16(uint16_t* y, __mmask16 m, __m512 v) {  // v already at bf16's precision
-  _mm256_mask_storeu_epi16(y, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
 
 template <typename T>
 FERRY_AVX512 void RmsNormRowsAvx512(const RmsNorm& p, int64_t r0, int64_t r1) {
