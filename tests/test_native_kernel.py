@@ -197,6 +197,7 @@ def test_swap_in_writes_blocks_in_place(seed, dtype):
 # (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap): test_kernels.py's, and
 NATIVE_PREFILL_CASES = PREFILL_CASES + [
     (8, 4, 32, 16, jnp.float32, 30.0),     # group 2, head_dim 32, soft cap
+    (8, 4, 64, 16, jnp.bfloat16, None),    # group 2, head_dim 64 in bf16 (a head dim the AVX-512 tiles compile in)
 ]
 
 
