@@ -2,10 +2,14 @@
 
     python scripts/bench_native_attention.py [--json_out results.json]
 
-Both run jitted, side by side in one process (calls alternate), on the same inputs: a batch of
-sequences of one context length each, pages handed out in shuffled order. Each timing is the
-median of --runs calls (blocked until ready) after --warmup calls; the JSON also has the minimum. FERRY_NATIVE_ATTENTION_THREADS=N caps the native
-kernel's threads (it uses XLA's intra-op pool by default).
+Both run jitted, side by side in one process (blocks of calls taking turns: time_side_by_side), on the
+same inputs: a batch of sequences of one context length each, pages handed out in shuffled order.
+--layers=N gives each call N layers' caches, attended one after another as a model step does: past the
+last-level cache, the pages then come from memory (one layer of 64 x 256 keys bf16, 8 MiB, stays in cache
+between calls), and the KV GB/s column says how near the kernel runs to the machine's memory bandwidth
+(this 2-core machine streams ~33 GB/s; 8 layers of 64 x 256 keys: bf16 19 GB/s, float32 24). Each timing
+is the median of --runs calls (blocked until ready); the JSON also has the minimum.
+FERRY_NATIVE_ATTENTION_THREADS=N caps the native kernel's threads (it uses XLA's intra-op pool by default).
 """
 
 import argparse
@@ -23,12 +27,13 @@ from pallas_kernels import native
 from pallas_kernels.reference import paged_decode_attention_ref
 
 
-def make_inputs(rng, *, batch, ctx, block_size, num_q_heads, num_kv_heads, head_dim, dtype):
+def make_inputs(rng, *, batch, ctx, block_size, num_q_heads, num_kv_heads, head_dim, dtype, layers=1):
+    """q, [k pages per layer], [v pages per layer], block tables, context lens."""
     pages_per_seq = -(-ctx // block_size)
     num_blocks = batch * pages_per_seq + 1
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
-    v = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    k = [jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for _ in range(layers)]
+    v = [jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for _ in range(layers)]
     ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
     tables = jnp.asarray(ids.reshape(batch, pages_per_seq))
     lens = jnp.full((batch,), ctx, jnp.int32)
@@ -36,18 +41,31 @@ def make_inputs(rng, *, batch, ctx, block_size, num_q_heads, num_kv_heads, head_
     return q, k, v, tables, lens
 
 
+def layered(attention, scale):
+    """q, [k], [v], tables, lens -> each layer's attention in turn, its output the next one's q (so none
+    can be skipped or reordered)."""
+    def run(q, ks, vs, tables, lens):
+        for k, v in zip(ks, vs):
+            q = attention(q, k, v, tables, lens, scale=scale).astype(q.dtype)
+        return q
+    return run
+
+
 def time_side_by_side(fns, args, *, warmup, runs):
-    """Per fn: (median ms, min ms). Calls alternate between the fns, so load from other processes
-    on a shared machine hits them alike."""
-    for fn in fns:
-        for _ in range(warmup):
-            jax.block_until_ready(fn(*args))
+    """Per fn: (median ms, min ms). Each fn runs its calls in blocks, the blocks taking turns (a b b a
+    ...), so slow drift of a shared machine hits the fns alike; a block starts with `warmup` untimed
+    calls. Calls alternating one by one measured the native kernel at half its speed: after a call of
+    the reference it ran slow for ~5 calls (8 layers of 64 x 256 keys bf16: 9-14 ms against 5.6-6.0)."""
     times = [[] for _ in fns]
-    for _ in range(runs):
-        for fn, out in zip(fns, times):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            out.append((time.perf_counter() - t0) * 1e3)
+    blocks = 4
+    for b in range(blocks):
+        for i in (range(len(fns)) if b % 2 == 0 else reversed(range(len(fns)))):
+            for _ in range(warmup):
+                jax.block_until_ready(fns[i](*args))
+            for _ in range(-(-runs // blocks)):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fns[i](*args))
+                times[i].append((time.perf_counter() - t0) * 1e3)
     return [(statistics.median(t), min(t)) for t in times]
 
 
@@ -60,8 +78,9 @@ def main():
     parser.add_argument("--head_dims", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--block_size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=1, help="KV caches per call, attended in turn")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each block of timed ones")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json_out", help="write the results here as JSON")
@@ -72,22 +91,22 @@ def main():
     dtype = jnp.dtype(args.dtype)
     rng = np.random.default_rng(args.seed)
     results = []
-    header = f"{'head_dim':>8} {'context':>8} {'reference ms':>13} {'native ms':>10} {'speedup':>8}"
+    header = (f"{'head_dim':>8} {'context':>8} {'reference ms':>13} {'native ms':>10} {'speedup':>8} "
+              f"{'KV GB/s':>8}")
     print(f"decode, batch {args.batch}, {args.num_q_heads} q / {args.num_kv_heads} kv heads, "
-          f"block {args.block_size}, {args.dtype}, median of {args.runs} runs, "
+          f"block {args.block_size}, {args.dtype}, {args.layers} layer(s) a call, median of {args.runs} runs, "
           f"backend {jax.default_backend()}, native lib {native.library_path()}")
     print(header)
     print("-" * len(header))
     for head_dim in args.head_dims:
         scale = head_dim ** -0.5
-        ref_fn = jax.jit(lambda q, k, v, t, c, s=scale: paged_decode_attention_ref(
-            q, k, v, t, c, scale=s))
-        nat_fn = jax.jit(lambda q, k, v, t, c, s=scale: native.paged_decode_attention_native(
-            q, k, v, t, c, scale=s))
+        ref_fn = jax.jit(layered(paged_decode_attention_ref, scale))
+        nat_fn = jax.jit(layered(native.paged_decode_attention_native, scale))
         for ctx in args.contexts:
             inputs = make_inputs(rng, batch=args.batch, ctx=ctx, block_size=args.block_size,
                                  num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads,
-                                 head_dim=head_dim, dtype=dtype)
+                                 head_dim=head_dim, dtype=dtype, layers=args.layers)
+            kv_bytes = 2 * args.layers * args.batch * ctx * args.num_kv_heads * head_dim * dtype.itemsize
             out_ref = np.asarray(ref_fn(*inputs), np.float32)
             out_nat = np.asarray(nat_fn(*inputs), np.float32)
             max_err = float(np.abs(out_ref - out_nat).max())
@@ -95,9 +114,10 @@ def main():
                 [ref_fn, nat_fn], inputs, warmup=args.warmup, runs=args.runs)
             row = dict(head_dim=head_dim, context=ctx, reference_ms=ref_ms, native_ms=nat_ms,
                        speedup=ref_ms / nat_ms, reference_min_ms=ref_min, native_min_ms=nat_min,
-                       max_abs_err=max_err)
+                       max_abs_err=max_err, layers=args.layers, native_kv_gb_per_s=kv_bytes / nat_ms / 1e6)
             results.append(row)
-            print(f"{head_dim:>8} {ctx:>8} {ref_ms:>13.3f} {nat_ms:>10.3f} {ref_ms / nat_ms:>7.2f}x")
+            print(f"{head_dim:>8} {ctx:>8} {ref_ms:>13.3f} {nat_ms:>10.3f} {ref_ms / nat_ms:>7.2f}x "
+                  f"{row['native_kv_gb_per_s']:>8.1f}")
     if args.json_out:
         meta = dict(vars(args), machine=platform.machine(), cpu_count=os.cpu_count(),
                     jax=jax.__version__, threads_env=os.environ.get("FERRY_NATIVE_ATTENTION_THREADS"),

@@ -42,12 +42,13 @@ def test_benchmark_host(tmp_path):
 def test_bench_native_attention(tmp_path):
     out = tmp_path / "native.json"
     stdout = _run(["scripts/bench_native_attention.py", "--batch=2", "--head_dims", "32", "--contexts", "16", "40",
-                   "--runs=2", "--warmup=1", "--json_out", str(out)], tmp_path)
-    assert "native" in stdout
+                   "--layers=2", "--runs=2", "--warmup=1", "--json_out", str(out)], tmp_path)
+    assert "native" in stdout and "KV GB/s" in stdout
     rows = json.load(open(out))["results"]
-    assert [(r["head_dim"], r["context"]) for r in rows] == [(32, 16), (32, 40)]
-    for r in rows:
+    assert [(r["head_dim"], r["context"], r["layers"]) for r in rows] == [(32, 16, 2), (32, 40, 2)]
+    for r in rows:  # the second layer attends with the first one's output: an error would carry on
         assert r["native_ms"] > 0 and r["reference_ms"] > 0 and r["max_abs_err"] < 1e-5
+        assert r["native_kv_gb_per_s"] > 0
 
 
 def test_benchmark_startup(tmp_path):
