@@ -51,18 +51,20 @@ def layered(attention, scale):
     return run
 
 
+TIMING_BLOCKS = 4  # blocks of calls per fn (time_side_by_side)
+
+
 def time_side_by_side(fns, args, *, warmup, runs):
     """Per fn: (median ms, min ms). Each fn runs its calls in blocks, the blocks taking turns (a b b a
     ...), so slow drift of a shared machine hits the fns alike; a block starts with `warmup` untimed
     calls. Calls alternating one by one measured the native kernel at half its speed: after a call of
     the reference it ran slow for ~5 calls (8 layers of 64 x 256 keys bf16: 9-14 ms against 5.6-6.0)."""
     times = [[] for _ in fns]
-    blocks = 4
-    for b in range(blocks):
+    for b in range(TIMING_BLOCKS):
         for i in (range(len(fns)) if b % 2 == 0 else reversed(range(len(fns)))):
             for _ in range(warmup):
                 jax.block_until_ready(fns[i](*args))
-            for _ in range(-(-runs // blocks)):
+            for _ in range(-(-runs // TIMING_BLOCKS)):
                 t0 = time.perf_counter()
                 jax.block_until_ready(fns[i](*args))
                 times[i].append((time.perf_counter() - t0) * 1e3)
@@ -81,7 +83,8 @@ def main():
     parser.add_argument("--layers", type=int, default=1, help="KV caches per call, attended in turn")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each block of timed ones")
-    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--runs", type=int, default=20,
+                        help=f"timed calls per fn, rounded up to a multiple of {TIMING_BLOCKS} (the blocks)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json_out", help="write the results here as JSON")
     args = parser.parse_args()
@@ -94,7 +97,7 @@ def main():
     header = (f"{'head_dim':>8} {'context':>8} {'reference ms':>13} {'native ms':>10} {'speedup':>8} "
               f"{'KV GB/s':>8}")
     print(f"decode, batch {args.batch}, {args.num_q_heads} q / {args.num_kv_heads} kv heads, "
-          f"block {args.block_size}, {args.dtype}, {args.layers} layer(s) a call, median of {args.runs} runs, "
+          f"block {args.block_size}, {args.dtype}, {args.layers} layer(s) a call, median of {-(-args.runs // TIMING_BLOCKS) * TIMING_BLOCKS} runs, "
           f"backend {jax.default_backend()}, native lib {native.library_path()}")
     print(header)
     print("-" * len(header))
