@@ -1104,14 +1104,16 @@ void GatedRowsAvx512(const Matmul& p, const float* gate, const float* up, int64_
 
 // Lines of a later panel to ask for while a tile runs: `rate` / 256 lines per k step (a k step reads 4 lines:
 // a panel row), the fraction carried from step to step.
+// 16 bytes, so the tiles take it in two registers.
 struct PanelAhead {
   const char* line = nullptr;  // the next line to ask for
-  const char* end = nullptr;   // past the last (line == end: nothing to ask for)
-  int32_t rate = 0, credit = 0;
+  int32_t lines = 0;           // lines left to ask for
+  int16_t rate = 0, credit = 0;
   FERRY_INLINE void Next() {
-    for (credit += rate; credit >= 256 && line < end; credit -= 256, line += 64) PrefetchLine(line);
+    for (credit += rate; credit >= 256 && lines > 0; credit -= 256, line += 64, --lines) PrefetchLine(line);
   }
 };
+static_assert(sizeof(PanelAhead) == 16);
 
 // A panel tile: rows r0.. (MR of them) x one panel's 64 columns, register-blocked (MR * 4 accumulators,
 // 4 weight vectors and a broadcast <= 32 zmm); the first `cols` sums of each row go to y (rows ldy apart).
@@ -1234,12 +1236,11 @@ void MatmulItemAvx512(const Matmul& p, const PanelTileFn* tiles, int64_t item, i
   const int64_t next = item + lookahead, panel_bytes = p.PanelElems() * (p.w_bf16 ? 2 : 4);
   const int64_t k_steps = p.w_bf16 ? (p.k + 1) / 2 : p.k, row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
   const int64_t share = ((panel_bytes + 63) / 64 + row_blocks - 1) / row_blocks;  // lines a row block asks for
-  const auto rate = static_cast<int32_t>(std::min<int64_t>(4 * 256, (share * 256 + k_steps - 1) / k_steps));
+  const auto rate = static_cast<int16_t>(std::min<int64_t>(4 * 256, (share * 256 + k_steps - 1) / k_steps));
   auto ahead = [&](int64_t panel, int64_t row_block) {  // row block's share of `panel`'s lines
-    if (next >= items) return PanelAhead{};
-    const char* start = static_cast<const char*>(p.Panel(panel));
-    return PanelAhead{start + std::min(row_block * share * 64, panel_bytes),
-                      start + std::min((row_block + 1) * share * 64, panel_bytes), rate};
+    const int64_t first = row_block * share, lines = std::min(share, (panel_bytes + 63) / 64 - first);
+    if (next >= items || lines <= 0) return PanelAhead{};
+    return PanelAhead{static_cast<const char*>(p.Panel(panel)) + first * 64, static_cast<int32_t>(lines), rate};
   };
   for (int64_t r0 = 0, rb = 0; r0 < p.m; r0 += kRowBlock, ++rb) {
     const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
