@@ -18,7 +18,7 @@ small fusions. They run on the CPU backend only. `available()` says whether the 
 not); callers fall back to the reference when it is False.
 
 Where the library comes from, first match wins:
-  1. $FERRY_NATIVE_ATTENTION_LIB, if set (must load, nothing else is tried);
+  1. $FERRY_NATIVE_ATTENTION_LIB, if set (must load: a RuntimeError says why not; nothing else is tried);
   2. pallas_kernels/cpu/_ferry_cpu_attention.so, built by the package's own build (setup.py) on
      `pip install .` and `pip install -e .`;
   3. a copy built on first use into $FERRY_CACHE_DIR (default ~/.cache/ferry), when (2) is missing
@@ -202,8 +202,12 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
 def _locate() -> tuple[ctypes.CDLL | None, Path | None, str]:
     forced = os.environ.get("FERRY_NATIVE_ATTENTION_LIB")
     if forced:
+        # An error, not the reference's fallback: asked for by name, a stale build would otherwise run
+        # the XLA reference (~10x slower) with only a warning to say so.
         lib, why = _open(Path(forced))
-        return lib, Path(forced), why
+        if lib is None:
+            raise RuntimeError(f"FERRY_NATIVE_ATTENTION_LIB={forced} does not load: {why}")
+        return lib, Path(forced), ""
     reasons = []
     for path in (PACKAGE_LIBRARY, cached_library_path() if SOURCE.exists() else None):
         if path is not None and path.exists():

@@ -294,7 +294,8 @@ def test_kernel_rejects_inconsistent_shapes():
 
 @pytest.mark.skipif(native.find_compiler() is None, reason="no C++ compiler to rebuild with")
 def test_build_from_source_and_stale_check(tmp_path, monkeypatch):
-    """The first-use / `--build` path compiles, and a library from other source is refused."""
+    """The first-use / `--build` path compiles, and a library from other source is refused (an error when
+    FERRY_NATIVE_ATTENTION_LIB names it, not the reference's silent fallback)."""
     out = native.build(tmp_path / "lib.so")
     lib, why = native._open(out)
     assert lib is not None, why
@@ -302,9 +303,14 @@ def test_build_from_source_and_stale_check(tmp_path, monkeypatch):
     lib, why = native._open(out)
     assert lib is None and "newer than the running" in why, why
     monkeypatch.undo()
+    monkeypatch.setenv("FERRY_NATIVE_ATTENTION_LIB", str(out))  # asked for by name: it loads ...
+    lib, path, why = native._locate()
+    assert lib is not None and path == out and why == "", why
     monkeypatch.setattr(native, "source_hash", lambda *a: "0123456789abcdef")
     lib, why = native._open(out)
     assert lib is None and "stale" in why, why
+    with pytest.raises(RuntimeError, match="FERRY_NATIVE_ATTENTION_LIB=.*stale"):  # ... or says why not
+        native._locate()
 
 
 # ----------------------------------------------------------------------------- stacked matmul
