@@ -334,20 +334,36 @@ def test_pack_stacked_round_trips(seed, dtype):
         assert int((packed != 0).sum()) == w.size
 
 
+# The matmul's paths, each forced by its environment (read on every call): the default (AVX-512 where the
+# CPU has it), AVX2 (where it has AVX2 and FMA, else the portable loops), bf16 x widened (no AVX512-BF16
+# dot products), the portable loops.
+MATMUL_PATH_ENV = {"avx512_if_present": {}, "avx2_if_present": {"FERRY_NATIVE_NO_AVX512": "1"},
+                   "widened": {"FERRY_NATIVE_MATMUL_NO_BF16_DOT": "1"},
+                   "portable": {"FERRY_NATIVE_MATMUL_GENERIC": "1"}}
+
+
+def take_matmul_path(path, monkeypatch):
+    for name in {name for env in MATMUL_PATH_ENV.values() for name in env}:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in MATMUL_PATH_ENV[path].items():
+        monkeypatch.setenv(name, value)
+
+
 @pytest.mark.parametrize("x_dtype,w_dtype,path", [
-    (jnp.float32, jnp.float32, "avx512_if_present"), (jnp.float32, jnp.float32, "portable"),
-    (jnp.float32, jnp.bfloat16, "avx512_if_present"), (jnp.float32, jnp.bfloat16, "portable"),
+    (jnp.float32, jnp.float32, "avx512_if_present"), (jnp.float32, jnp.float32, "avx2_if_present"),
+    (jnp.float32, jnp.float32, "portable"),
+    (jnp.float32, jnp.bfloat16, "avx512_if_present"), (jnp.float32, jnp.bfloat16, "avx2_if_present"),
+    (jnp.float32, jnp.bfloat16, "portable"),
     (jnp.bfloat16, jnp.bfloat16, "avx512_if_present"),  # the bf16 dot instruction where the CPU has it
-    (jnp.bfloat16, jnp.bfloat16, "widened"), (jnp.bfloat16, jnp.bfloat16, "portable")],
-    ids=["f32", "f32-portable", "bf16w", "bf16w-portable", "bf16", "bf16-widened", "bf16-portable"])
+    (jnp.bfloat16, jnp.bfloat16, "widened"), (jnp.bfloat16, jnp.bfloat16, "avx2_if_present"),
+    (jnp.bfloat16, jnp.bfloat16, "portable")],
+    ids=["f32", "f32-avx2", "f32-portable", "bf16w", "bf16w-avx2", "bf16w-portable", "bf16", "bf16-widened",
+         "bf16-avx2", "bf16-portable"])
 def test_stacked_matmul_matches_dot(seed, x_dtype, w_dtype, path, monkeypatch):
     """x @ w[layer] for every layer of a random packed stack (poisoned output buffer), out-of-range
     layers clamped like a dynamic slice, the same bits on one thread as on the pool, and a row's bits
     the same alone as in a batch. bfloat16 inputs: the float64 product of their exact float32 values."""
-    if path == "portable":
-        monkeypatch.setenv("FERRY_NATIVE_MATMUL_GENERIC", "1")
-    if path == "widened":
-        monkeypatch.setenv("FERRY_NATIVE_MATMUL_NO_BF16_DOT", "1")
+    take_matmul_path(path, monkeypatch)
     rng = np.random.default_rng(seed)
     for m, k, n, groups in STACKED_MATMUL_SHAPES:
         num_layers = 3
@@ -386,20 +402,18 @@ def test_stacked_matmul_matches_dot(seed, x_dtype, w_dtype, path, monkeypatch):
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,path", [
-    (jnp.float32, jnp.float32, "avx512_if_present"), (jnp.float32, jnp.float32, "portable"),
-    (jnp.float32, jnp.bfloat16, "avx512_if_present"), (jnp.bfloat16, jnp.bfloat16, "avx512_if_present"),
-    (jnp.bfloat16, jnp.bfloat16, "widened"), (jnp.bfloat16, jnp.bfloat16, "portable")],
-    ids=["f32", "f32-portable", "bf16w", "bf16", "bf16-widened", "bf16-portable"])
+    (jnp.float32, jnp.float32, "avx512_if_present"), (jnp.float32, jnp.float32, "avx2_if_present"),
+    (jnp.float32, jnp.float32, "portable"), (jnp.float32, jnp.bfloat16, "avx512_if_present"),
+    (jnp.bfloat16, jnp.bfloat16, "avx512_if_present"), (jnp.bfloat16, jnp.bfloat16, "widened"),
+    (jnp.bfloat16, jnp.bfloat16, "avx2_if_present"), (jnp.bfloat16, jnp.bfloat16, "portable")],
+    ids=["f32", "f32-avx2", "f32-portable", "bf16w", "bf16", "bf16-widened", "bf16-avx2", "bf16-portable"])
 @pytest.mark.parametrize("act", native.GATED_ACTIVATIONS)
 def test_gated_stacked_matmul_matches_its_parts(seed, x_dtype, w_dtype, path, act, monkeypatch):
     """The gated matmul (the activation applied per panel pair on AVX-512, in one pass after the sums
     elsewhere) against the plain matmul's sums through gated_activation, in the model's dtype: float32
     within a few ulp, bfloat16 within one bfloat16 ulp where an exp's last bit moves a rounding. Panel
     tails on both halves (I not a multiple of 64), one row and many, every output element written."""
-    if path == "portable":
-        monkeypatch.setenv("FERRY_NATIVE_MATMUL_GENERIC", "1")
-    if path == "widened":
-        monkeypatch.setenv("FERRY_NATIVE_MATMUL_NO_BF16_DOT", "1")
+    take_matmul_path(path, monkeypatch)
     rng = np.random.default_rng(seed)
     dtype = jnp.bfloat16 if x_dtype == jnp.bfloat16 or w_dtype == jnp.bfloat16 else jnp.float32
     moved = np.zeros(2, np.int64)  # bf16 outputs that differ, outputs
@@ -428,6 +442,41 @@ def test_gated_stacked_matmul_matches_its_parts(seed, x_dtype, w_dtype, path, ac
         # float32 evaluation moves ~7% of roundings from float64's (this kernel's and jnp's alike).
         limit = 0.01 if act == "silu" else 0.1
         assert moved[0] < limit * moved[1], f"{moved[0]} of {moved[1]} bf16 outputs moved seed={seed}"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16w"])
+def test_stacked_matmul_paths_agree_bit_for_bit(seed, w_dtype, monkeypatch):
+    """Float32 x: every path sums each column over k in order, one FMA per term, so the AVX-512 tiles,
+    the AVX2 tiles and the portable loops (their FMA clone) give the same bits in every panel tail and row
+    block; gated, the AVX2 tiles' epilogue is the portable one. Needs AVX2 and FMA: without them the
+    portable loops multiply and add apart."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("the CPU lacks AVX2/FMA (or /proc/cpuinfo): the portable loops take no FMA clone")
+    rng = np.random.default_rng(seed)
+    for m, k, n, groups in [(1, 37, 1050, 1), (13, 129, 200, 2), (70, 64, 520, 2), (7, 512, 64, 1)]:
+        w = jnp.asarray(rng.standard_normal((2, k, n)), w_dtype)
+        packed = native.pack_stacked(w, groups)
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        calls = {"plain": lambda: native.stacked_matmul(x, packed, 1, n=n, groups=groups)}
+        if groups == 2:
+            calls["gated"] = lambda: native.stacked_matmul(x, packed, 1, n=n, groups=2, gated="silu",
+                                                           dtype=jnp.float32)
+        for kind, call in calls.items():
+            outs = {}
+            # gated: the AVX-512 SiLU is its own code (a few ulp from the others: the gated test)
+            for path in ("avx512_if_present", "avx2_if_present", "portable")[kind == "gated":]:
+                take_matmul_path(path, monkeypatch)
+                outs[path] = np.asarray(call())
+            for path, out in outs.items():
+                np.testing.assert_array_equal(out, outs["portable"], err_msg=f"{kind} {path} M,K,N={m, k, n}")
 
 
 def test_gated_bf16_rounding_by_the_cpus_conversion_is_the_integer_rounding(seed, monkeypatch):

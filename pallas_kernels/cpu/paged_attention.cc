@@ -536,6 +536,11 @@ FERRY_INLINE void AttendTile(const Problem<float, uint16_t>& p, const Tile& t, S
 
 // ----------------------------------------------------------------------------- threading
 
+bool EnvIsOne(const char* name) {  // the tests' switches, read on every call
+  const char* env = std::getenv(name);
+  return env != nullptr && *env == '1';
+}
+
 int MaxThreadsFromEnv() {  // read on every call (cheap next to the kernel), 0: no cap
   const char* env = std::getenv("FERRY_NATIVE_ATTENTION_THREADS");
   if (env == nullptr || *env == '\0') return 0;
@@ -696,8 +701,7 @@ void ZeroRows(T* out, int64_t row0, int64_t nrows, int64_t row_elems) {
 
 // FERRY_NATIVE_ATTENTION_NO_GEMM_TILES=1 keeps prefill and decode on the vector-at-a-time tiles (tests).
 bool UseAvx512AttentionTiles(const Geometry& g) {
-  const char* env = std::getenv("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES");
-  if (env != nullptr && *env == '1') return false;
+  if (EnvIsOne("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES")) return false;
   return g.head_dim % 16 == 0 && UseAvx512Matmul();
 }
 
@@ -1225,16 +1229,132 @@ constexpr PanelTileFn kPanelTiles[3][kRowBlock] = {
     {&PanelTileDpbf16<1>, &PanelTileDpbf16<2>, &PanelTileDpbf16<3>, &PanelTileDpbf16<4>, &PanelTileDpbf16<5>,
      &PanelTileDpbf16<6>}};
 
-// Work item `item` on AVX-512: panel `item` over every row into y; gated, the gate's panel `item` and the
+// ----------------------------------------------------------------------------- panel tiles (AVX2)
+
+// The same tiles for CPUs with AVX2 and FMA but not AVX-512 (Zen 2/3, Intel before Ice Lake): 16 ymm, so
+// a tile takes a panel's 64 columns as four strips of 16, MR rows x 2 vectors each (12 accumulators, 2
+// weight vectors and a broadcast <= 16), k in order within a strip: the AVX-512 tiles' bits. The
+// portable loop (one row at a time, 8 accumulators: a load per FMA) ran model b's linears at ~35% of the
+// two cores' FMA peak (75 of 214 GFLOP/s).
+#define FERRY_AVX2 __attribute__((target("avx2,fma")))
+
+FERRY_AVX2 FERRY_INLINE __m256i LeadingLanes8(int64_t count) {  // a maskstore mask: the first min(count, 8)
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// RoundedToBf16 on 8 lanes by integer ops (round to nearest even; NaN stays NaN, made quiet).
+FERRY_AVX2 FERRY_INLINE __m256 RoundedToBf16x8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd),
+                                           _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256i quiet = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)),
+                                         _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, quiet, nan));
+}
+
+// acc[r] += x_rows[r][k] * b for MR rows (a pointer per row: no address arithmetic per k beyond k).
+template <int MR>
+FERRY_AVX2 FERRY_INLINE void FmaRows8(__m256 (&acc)[MR][2], const float* const (&x_rows)[MR], int64_t k, __m256 b0,
+                                      __m256 b1) {
+  FERRY_UNROLL for (int r = 0; r < MR; ++r) {
+    const __m256 a = _mm256_broadcast_ss(x_rows[r] + k);
+    acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+    acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+  }
+}
+
+// Strip s's sums (columns 16 s.. of the panel; `cols` of the panel's present) into y.
+template <int MR>
+FERRY_AVX2 FERRY_INLINE void StoreStrip8(const Matmul& p, __m256 (&acc)[MR][2], int64_t s, int64_t cols, float* y,
+                                         int64_t ldy) {
+  FERRY_UNROLL for (int r = 0; r < MR; ++r) {
+    FERRY_UNROLL for (int v = 0; v < 2; ++v) {
+      const int64_t c = 16 * s + 8 * v;
+      if (c >= cols) continue;
+      const __m256 out = p.round_bf16 ? RoundedToBf16x8(acc[r][v]) : acc[r][v];
+      if (c + 8 <= cols) _mm256_storeu_ps(y + r * ldy + c, out);
+      else _mm256_maskstore_ps(y + r * ldy + c, LeadingLanes8(cols - c), out);
+    }
+  }
+}
+
+// float32 panel, float32 x.
+template <int MR>
+FERRY_AVX2 void PanelTileF32Avx2(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
+                                 int64_t ldy, PanelAhead ahead) {
+  const float* x_rows[MR];
+  FERRY_UNROLL for (int r = 0; r < MR; ++r) x_rows[r] = p.x + (r0 + r) * p.k;
+  for (int64_t s = 0; 16 * s < cols; ++s) {
+    __m256 acc[MR][2];
+    FERRY_UNROLL for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* w = static_cast<const float*>(panel) + 16 * s;
+    for (int64_t k = 0; k < p.k; ++k, w += kPanelCols) {
+      ahead.Next();
+      FmaRows8<MR>(acc, x_rows, k, _mm256_loadu_ps(w), _mm256_loadu_ps(w + 8));
+    }
+    StoreStrip8<MR>(p, acc, s, cols, y, ldy);
+  }
+}
+
+// bfloat16 panel, float32 x (bf16 x widened): each lane's pair widened exactly, row 2 k2 then 2 k2 + 1.
+template <int MR>
+FERRY_AVX2 void PanelTileWidenedAvx2(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
+                                     int64_t ldy, PanelAhead ahead) {
+  const float* x_rows[MR];
+  FERRY_UNROLL for (int r = 0; r < MR; ++r) x_rows[r] = p.x + (r0 + r) * p.k;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t s = 0; 16 * s < cols; ++s) {
+    __m256 acc[MR][2];
+    FERRY_UNROLL for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint32_t* w = static_cast<const uint32_t*>(panel) + 16 * s;
+    for (int64_t k = 0; k < p.k; k += 2, w += kPanelCols) {
+      ahead.Next();
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8));
+      FmaRows8<MR>(acc, x_rows, k, _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)),
+                   _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)));
+      if (k + 1 == p.k) break;
+      FmaRows8<MR>(acc, x_rows, k + 1, _mm256_castsi256_ps(_mm256_and_si256(w0, high)),
+                   _mm256_castsi256_ps(_mm256_and_si256(w1, high)));
+    }
+    StoreStrip8<MR>(p, acc, s, cols, y, ldy);
+  }
+}
+
+// [kind][rows - 1]: kind 0 float32, 1 widened bfloat16.
+constexpr PanelTileFn kPanelTilesAvx2[2][kRowBlock] = {
+    {&PanelTileF32Avx2<1>, &PanelTileF32Avx2<2>, &PanelTileF32Avx2<3>, &PanelTileF32Avx2<4>, &PanelTileF32Avx2<5>,
+     &PanelTileF32Avx2<6>},
+    {&PanelTileWidenedAvx2<1>, &PanelTileWidenedAvx2<2>, &PanelTileWidenedAvx2<3>, &PanelTileWidenedAvx2<4>,
+     &PanelTileWidenedAvx2<5>, &PanelTileWidenedAvx2<6>}};
+
+// A CPU's panel tiles: by row count, the strips each takes a panel's k steps in, and its gated epilogue.
+using GatedRowsFn = void (*)(const Matmul&, const float* gate, const float* up, int64_t ld, int64_t r0,
+                             int64_t rows, int64_t n0, int64_t cols);
+struct PanelTiles {
+  const PanelTileFn* by_rows;  // [kRowBlock]: tile for rows - 1
+  int strips;                  // passes over the panel's k steps a tile makes
+  GatedRowsFn gated_rows;
+};
+constexpr PanelTiles kAvx512Tiles[3] = {{kPanelTiles[0], 1, &GatedRowsAvx512}, {kPanelTiles[1], 1, &GatedRowsAvx512},
+                                        {kPanelTiles[2], 1, &GatedRowsAvx512}};
+constexpr PanelTiles kAvx2Tiles[2] = {{kPanelTilesAvx2[0], 4, &GatedRows}, {kPanelTilesAvx2[1], 4, &GatedRows}};
+
+// Work item `item`: panel `item` over every row into y; gated, the gate's panel `item` and the
 // up's (Pg later), their sums in L1 scratch, act(gate) * up into the result's columns 64 * item...
 // Items go out in order, so this thread's next is about `lookahead` on: each row block's tiles ask for an
 // equal share of its panels, spread evenly over their k steps. (All of it in the first two row blocks came
 // in bursts that held up the tiles' own loads: a model-b decode step's linears at 64 rows, float32, 15.2 ->
 // 14.5 ms, 32 rows 8.9 -> 8.2; model b's throughput run +3-7% float32, +4% bf16; notes, session 18.)
-void MatmulItemAvx512(const Matmul& p, const PanelTileFn* tiles, int64_t item, int64_t items, int64_t lookahead) {
+void MatmulItemTiled(const Matmul& p, const PanelTiles& tiles, int64_t item, int64_t items, int64_t lookahead) {
   const int64_t c0 = p.PanelCol(item), cols = p.PanelWidth(item);
   const int64_t next = item + lookahead, panel_bytes = p.PanelElems() * (p.w_bf16 ? 2 : 4);
-  const int64_t k_steps = p.w_bf16 ? (p.k + 1) / 2 : p.k, row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
+  const int64_t k_steps = (p.w_bf16 ? (p.k + 1) / 2 : p.k) * tiles.strips;
+  const int64_t row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
   const int64_t share = ((panel_bytes + 63) / 64 + row_blocks - 1) / row_blocks;  // lines a row block asks for
   const auto rate = static_cast<int16_t>(std::min<int64_t>(4 * 256, (share * 256 + k_steps - 1) / k_steps));
   auto ahead = [&](int64_t panel, int64_t row_block) {  // row block's share of `panel`'s lines
@@ -1244,14 +1364,14 @@ void MatmulItemAvx512(const Matmul& p, const PanelTileFn* tiles, int64_t item, i
   };
   for (int64_t r0 = 0, rb = 0; r0 < p.m; r0 += kRowBlock, ++rb) {
     const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
-    const PanelTileFn tile = tiles[rows - 1];
+    const PanelTileFn tile = tiles.by_rows[rows - 1];
     if (p.act < 0) {
       tile(p, p.Panel(item), r0, cols, p.y + r0 * p.n + c0, p.n, ahead(next, rb));
     } else {
       float sums[2][kRowBlock * kPanelCols];
       tile(p, p.Panel(item), r0, cols, sums[0], kPanelCols, ahead(next, rb));
       tile(p, p.Panel(p.part_panels + item), r0, cols, sums[1], kPanelCols, ahead(p.part_panels + next, rb));
-      GatedRowsAvx512(p, sums[0], sums[1], kPanelCols, r0, rows, c0, cols);
+      tiles.gated_rows(p, sums[0], sums[1], kPanelCols, r0, rows, c0, cols);
     }
   }
 }
@@ -1259,16 +1379,20 @@ void MatmulItemAvx512(const Matmul& p, const PanelTileFn* tiles, int64_t item, i
 // AVX512-BF16's dot products and conversion; FERRY_NATIVE_MATMUL_NO_BF16_DOT=1 (tests) widens bf16 x instead
 // and rounds to bfloat16 by integer ops.
 bool UseDpbf16Matmul() {
-  const char* env = std::getenv("FERRY_NATIVE_MATMUL_NO_BF16_DOT");
-  if (env != nullptr && *env == '1') return false;
+  if (EnvIsOne("FERRY_NATIVE_MATMUL_NO_BF16_DOT")) return false;
   return __builtin_cpu_supports("avx512bf16");
 }
 
-bool UseAvx512Matmul() {  // FERRY_NATIVE_MATMUL_GENERIC=1 forces the portable loops (tests)
-  const char* env = std::getenv("FERRY_NATIVE_MATMUL_GENERIC");
-  if (env != nullptr && *env == '1') return false;
+// FERRY_NATIVE_MATMUL_GENERIC=1 forces the portable loops, FERRY_NATIVE_NO_AVX512=1 the AVX2 ones (tests).
+bool UseAvx512Matmul() {
+  if (EnvIsOne("FERRY_NATIVE_MATMUL_GENERIC") || EnvIsOne("FERRY_NATIVE_NO_AVX512")) return false;
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl");
+}
+
+bool UseAvx2Matmul() {
+  if (EnvIsOne("FERRY_NATIVE_MATMUL_GENERIC")) return false;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
 // ----------------------------------------------------------------------------- prefill tiles (AVX-512)
@@ -1689,6 +1813,7 @@ void PrefillTileAvx512(const Problem<float, uint16_t>& p, const Tile& t, Scratch
 }
 #else
 bool UseAvx512Matmul() { return false; }
+bool UseAvx2Matmul() { return false; }
 bool UseDpbf16Matmul() { return false; }
 void PrefillTileAvx512(const Problem<float, float>&, const Tile&, Scratch&) {}
 void PrefillTileAvx512(const Problem<uint16_t, uint16_t>&, const Tile&, Scratch&) {}
@@ -1700,7 +1825,7 @@ void DecodeTileAvx512(const Problem<float, uint16_t>&, const Tile&, Scratch&) {}
 
 struct MatmulWork {
   const Matmul* problem;
-  const void* tiles;  // AVX-512: kPanelTiles[kind] (the activation fused per item); null: the portable loops
+  const void* tiles;  // a PanelTiles (AVX-512 or AVX2; the activation fused per item); null: the portable loops
   int64_t threads = 1;
   bool FusesGate() const { return tiles != nullptr; }
   int64_t Items() const { return FusesGate() && problem->act >= 0 ? problem->part_panels : problem->panels; }
@@ -1708,7 +1833,7 @@ struct MatmulWork {
     const auto* w = static_cast<const MatmulWork*>(self);
 #ifdef FERRY_HAVE_AVX512_MATMUL
     if (w->tiles != nullptr)
-      return MatmulItemAvx512(*w->problem, static_cast<const PanelTileFn*>(w->tiles), item, w->Items(), w->threads);
+      return MatmulItemTiled(*w->problem, *static_cast<const PanelTiles*>(w->tiles), item, w->Items(), w->threads);
 #endif
     const Matmul& p = *w->problem;
     if (p.w_bf16) MatmulPanelGenericBf16(p, item);
@@ -1785,7 +1910,8 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   }
   MatmulWork work{&p, nullptr};
 #ifdef FERRY_HAVE_AVX512_MATMUL
-  if (avx512) work.tiles = kPanelTiles[dpbf16 ? 2 : bf16 ? 1 : 0];
+  if (avx512) work.tiles = &kAvx512Tiles[dpbf16 ? 2 : bf16 ? 1 : 0];
+  else if (UseAvx2Matmul()) work.tiles = &kAvx2Tiles[bf16 ? 1 : 0];
 #endif
   std::vector<float> sums;  // gated, on the paths that do not fuse it: every sum, then one pass
   if (gated && !work.FusesGate()) {
