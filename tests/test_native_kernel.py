@@ -456,8 +456,7 @@ def cpu_flags() -> set[str]:
 def test_stacked_matmul_paths_agree_bit_for_bit(seed, w_dtype, monkeypatch):
     """Float32 x: every path sums each column over k in order, one FMA per term, so the AVX-512 tiles,
     the AVX2 tiles and the portable loops (their FMA clone) give the same bits in every panel tail and row
-    block; gated, the AVX2 tiles' epilogue is the portable one. Needs AVX2 and FMA: without them the
-    portable loops multiply and add apart."""
+    block. Needs AVX2 and FMA: without them the portable loops multiply and add apart."""
     if not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("the CPU lacks AVX2/FMA (or /proc/cpuinfo): the portable loops take no FMA clone")
     rng = np.random.default_rng(seed)
@@ -465,18 +464,12 @@ def test_stacked_matmul_paths_agree_bit_for_bit(seed, w_dtype, monkeypatch):
         w = jnp.asarray(rng.standard_normal((2, k, n)), w_dtype)
         packed = native.pack_stacked(w, groups)
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-        calls = {"plain": lambda: native.stacked_matmul(x, packed, 1, n=n, groups=groups)}
-        if groups == 2:
-            calls["gated"] = lambda: native.stacked_matmul(x, packed, 1, n=n, groups=2, gated="silu",
-                                                           dtype=jnp.float32)
-        for kind, call in calls.items():
-            outs = {}
-            # gated: the AVX-512 SiLU is its own code (a few ulp from the others: the gated test)
-            for path in ("avx512_if_present", "avx2_if_present", "portable")[kind == "gated":]:
-                take_matmul_path(path, monkeypatch)
-                outs[path] = np.asarray(call())
-            for path, out in outs.items():
-                np.testing.assert_array_equal(out, outs["portable"], err_msg=f"{kind} {path} M,K,N={m, k, n}")
+        outs = {}
+        for path in ("avx512_if_present", "avx2_if_present", "portable"):
+            take_matmul_path(path, monkeypatch)
+            outs[path] = np.asarray(native.stacked_matmul(x, packed, 1, n=n, groups=groups))
+        for path, out in outs.items():
+            np.testing.assert_array_equal(out, outs["portable"], err_msg=f"{path} M,K,N={m, k, n}")
 
 
 def test_gated_bf16_rounding_by_the_cpus_conversion_is_the_integer_rounding(seed, monkeypatch):
