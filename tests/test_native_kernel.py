@@ -60,11 +60,14 @@ POISONED_PREFILL = functools.partial(run_poisoned, paged_prefill_attention_nativ
 
 # ----------------------------------------------------------------------------- decode
 
-@pytest.fixture(params=["avx512_tiles", "vector_tiles"])
+@pytest.fixture(params=["default_tiles", "avx2_tiles", "vector_tiles"])
 def attention_tiles(request, monkeypatch):
-    """Both attention paths: on AVX-512 the GEMM prefill tiles (head_dim a multiple of 16: every one here
-    but 52 and 80) and the decode tiles (a multiple of 32), and the vector-at-a-time tiles every other
-    CPU runs."""
+    """Each attention path: the CPU's own (on AVX-512 the GEMM prefill tiles, head_dim a multiple of 16:
+    every one here but 52 and 80, and the decode tiles, a multiple of 32; on AVX2 the decode tiles, a
+    multiple of 8: all but 52), AVX2's decode tiles on an AVX-512 CPU too, and the vector-at-a-time tiles
+    every other case runs."""
+    if request.param == "avx2_tiles":
+        monkeypatch.setenv("FERRY_NATIVE_NO_AVX512", "1")
     if request.param == "vector_tiles":
         monkeypatch.setenv("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES", "1")
     return request.param

@@ -301,6 +301,11 @@ Scratch& ThreadScratch() {
   return scratch;
 }
 
+// The tiles a problem runs: the vector-at-a-time ones (any CPU, any head_dim); on AVX-512 PrefillTileAvx512
+// for prefill tiles (head_dim % 16 == 0) and DecodeTileAvx512 for decode ones (head_dim % 32 == 0); on AVX2
+// without it DecodeTileAvx2 for decode tiles (head_dim % 8 == 0).
+enum class TileKind { kVector, kPrefillAvx512, kDecodeAvx512, kDecodeAvx2 };
+
 // TQ: the element type of q and out; TKV: of the k/v pages (float or uint16_t = bfloat16).
 template <typename TQ, typename TKV>
 struct Problem {
@@ -312,9 +317,7 @@ struct Problem {
   Geometry g;
   float scale;
   float soft_cap;  // 0: none
-  // On AVX-512: PrefillTileAvx512 for prefill tiles (head_dim % 16 == 0), DecodeTileAvx512 for decode
-  // ones (head_dim % 32 == 0)
-  enum class Tiles { kVector, kPrefillAvx512, kDecodeAvx512 } tiles = Tiles::kVector;
+  TileKind tiles = TileKind::kVector;
 };
 
 // n rows of one kv head of one page as float32: float pages are used in place, bfloat16 ones are
@@ -515,21 +518,28 @@ void PrefillTileAvx512(const Problem<float, uint16_t>& p, const Tile& t, Scratch
 void DecodeTileAvx512(const Problem<float, float>& p, const Tile& t, Scratch& sc);
 void DecodeTileAvx512(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc);
 void DecodeTileAvx512(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc);
+void DecodeTileAvx2(const Problem<float, float>& p, const Tile& t, Scratch& sc);
+void DecodeTileAvx2(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc);
+void DecodeTileAvx2(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc);
 bool UseAvx512Matmul();
+bool UseAvx2Matmul();
 
 FERRY_INLINE void AttendTile(const Problem<float, float>& p, const Tile& t, Scratch& sc) {
-  if (p.tiles == Problem<float, float>::Tiles::kPrefillAvx512) return PrefillTileAvx512(p, t, sc);
-  if (p.tiles == Problem<float, float>::Tiles::kDecodeAvx512) return DecodeTileAvx512(p, t, sc);
+  if (p.tiles == TileKind::kPrefillAvx512) return PrefillTileAvx512(p, t, sc);
+  if (p.tiles == TileKind::kDecodeAvx512) return DecodeTileAvx512(p, t, sc);
+  if (p.tiles == TileKind::kDecodeAvx2) return DecodeTileAvx2(p, t, sc);
   AttendTileF32(p, t, sc);
 }
 FERRY_INLINE void AttendTile(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc) {
-  if (p.tiles == Problem<uint16_t, uint16_t>::Tiles::kPrefillAvx512) return PrefillTileAvx512(p, t, sc);
-  if (p.tiles == Problem<uint16_t, uint16_t>::Tiles::kDecodeAvx512) return DecodeTileAvx512(p, t, sc);
+  if (p.tiles == TileKind::kPrefillAvx512) return PrefillTileAvx512(p, t, sc);
+  if (p.tiles == TileKind::kDecodeAvx512) return DecodeTileAvx512(p, t, sc);
+  if (p.tiles == TileKind::kDecodeAvx2) return DecodeTileAvx2(p, t, sc);
   AttendTileBf16(p, t, sc);
 }
 FERRY_INLINE void AttendTile(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc) {
-  if (p.tiles == Problem<float, uint16_t>::Tiles::kPrefillAvx512) return PrefillTileAvx512(p, t, sc);
-  if (p.tiles == Problem<float, uint16_t>::Tiles::kDecodeAvx512) return DecodeTileAvx512(p, t, sc);
+  if (p.tiles == TileKind::kPrefillAvx512) return PrefillTileAvx512(p, t, sc);
+  if (p.tiles == TileKind::kDecodeAvx512) return DecodeTileAvx512(p, t, sc);
+  if (p.tiles == TileKind::kDecodeAvx2) return DecodeTileAvx2(p, t, sc);
   AttendTileF32Bf16(p, t, sc);
 }
 
@@ -605,7 +615,7 @@ struct TileWork {
     const std::vector<Tile>& tiles = *w->tiles;
     const Tile* next = w->lookahead > 0 && i + w->lookahead < static_cast<int64_t>(tiles.size())
                            ? &tiles[i + w->lookahead] : nullptr;
-    const bool spreads = w->problem->tiles == P::Tiles::kDecodeAvx512;
+    const bool spreads = w->problem->tiles == TileKind::kDecodeAvx512;
     Scratch& sc = ThreadScratch();
     sc.next_tile = spreads ? next : nullptr;
     if (next != nullptr && !spreads) {
@@ -679,7 +689,7 @@ ffi::Error CheckCommon(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 template <typename TQ, typename TKV>
 Problem<TQ, TKV> MakeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g,
-                             float scale, float soft_cap, bool avx512_tiles, bool decode) {
+                             float scale, float soft_cap, TileKind tiles) {
   Problem<TQ, TKV> p;
   p.q = static_cast<const TQ*>(q.untyped_data());
   p.k = static_cast<const TKV*>(k.untyped_data());
@@ -689,8 +699,7 @@ Problem<TQ, TKV> MakeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer 
   p.g = g;
   p.scale = scale;
   p.soft_cap = soft_cap > 0.0f ? soft_cap : 0.0f;
-  using Tiles = typename Problem<TQ, TKV>::Tiles;
-  p.tiles = !avx512_tiles ? Tiles::kVector : decode ? Tiles::kDecodeAvx512 : Tiles::kPrefillAvx512;
+  p.tiles = tiles;
   return p;
 }
 
@@ -700,27 +709,27 @@ void ZeroRows(T* out, int64_t row0, int64_t nrows, int64_t row_elems) {
 }
 
 // FERRY_NATIVE_ATTENTION_NO_GEMM_TILES=1 keeps prefill and decode on the vector-at-a-time tiles (tests).
-bool UseAvx512AttentionTiles(const Geometry& g) {
-  if (EnvIsOne("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES")) return false;
-  return g.head_dim % 16 == 0 && UseAvx512Matmul();
+TileKind AttentionTiles(const Geometry& g, bool decode) {
+  if (EnvIsOne("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES")) return TileKind::kVector;
+  if (UseAvx512Matmul() && g.head_dim % (decode ? 32 : 16) == 0)
+    return decode ? TileKind::kDecodeAvx512 : TileKind::kPrefillAvx512;
+  if (decode && UseAvx2Matmul() && g.head_dim % 8 == 0) return TileKind::kDecodeAvx2;
+  return TileKind::kVector;
 }
 
 // The tiles over the dtype pair CheckCommon accepted.
 void RunAnyDtype(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                  ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g, float scale,
                  float soft_cap, const std::vector<Tile>& tiles, bool decode) {
-  const bool avx512_tiles = UseAvx512AttentionTiles(g) && (!decode || g.head_dim % 32 == 0);
+  const TileKind kind = AttentionTiles(g, decode);
   const bool q_f32 = q.element_type() == ffi::DataType::F32;
   const bool kv_f32 = k.element_type() == ffi::DataType::F32;
   if (q_f32 && kv_f32) {
-    RunTiles(pool, MakeProblem<float, float>(q, k, v, tables, out, g, scale, soft_cap, avx512_tiles, decode), tiles,
-             decode);
+    RunTiles(pool, MakeProblem<float, float>(q, k, v, tables, out, g, scale, soft_cap, kind), tiles, decode);
   } else if (q_f32) {
-    RunTiles(pool, MakeProblem<float, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, avx512_tiles, decode), tiles,
-             decode);
+    RunTiles(pool, MakeProblem<float, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, kind), tiles, decode);
   } else {
-    RunTiles(pool, MakeProblem<uint16_t, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, avx512_tiles, decode), tiles,
-             decode);
+    RunTiles(pool, MakeProblem<uint16_t, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, kind), tiles, decode);
   }
 }
 
@@ -777,7 +786,8 @@ ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   const int32_t* qsl = query_start_loc.typed_data();
   // Query tiles of ~32 query vectors (rows x group) share every K/V row they load; 64 for the GEMM
   // tiles (measured: 1.1-1.3x of 32 at 512-token chunks, the same at 128).
-  const int64_t tile_rows = std::max<int64_t>(1, (UseAvx512AttentionTiles(g) ? 64 : 32) / g.group);
+  const bool gemm_tiles = AttentionTiles(g, /*decode=*/false) == TileKind::kPrefillAvx512;
+  const int64_t tile_rows = std::max<int64_t>(1, (gemm_tiles ? 64 : 32) / g.group);
   std::vector<Tile> tiles;
   std::vector<int64_t> one_row;  // sequences of one query row (a ragged step's decodes): decode tiles
   std::vector<char> covered(T, 0);
@@ -1470,6 +1480,178 @@ bool UseAvx2Matmul() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
+// ----------------------------------------------------------------------------- decode tiles (AVX2)
+
+// A decode tile on AVX2 (no AVX-512), DecodeTileAvx512's plan in 8-lane vectors: one query row, kv heads
+// head0.. of one sequence, G query vectors each taken two at a time (an odd G's last one paired with
+// itself, its twin's sums going to a spare slot). Per chunk of up to 16 keys of a page: the dot products
+// 4 keys x 2 vectors at a time (8 accumulators, reduced by a hadd tree to a lane per key), the online
+// softmax over the chunk with one horizontal max and sum per vector, then acc += P · V 32 features of both
+// vectors at a time, each V row read once for both. bfloat16 rows are widened 8 elements at a time, in
+// order. The vector-at-a-time tiles (GCC's vectors, a horizontal sum per key and a scalar softmax) took
+// 13% of model b's float32 run on a 2-core Zen 2 once its matmuls had AVX2 tiles.
+FERRY_AVX2 FERRY_INLINE __m256 Row8(const float* row, int64_t c) { return _mm256_loadu_ps(row + 8 * c); }
+FERRY_AVX2 FERRY_INLINE __m256 Row8(const uint16_t* row, int64_t c) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * c));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// Lane i: the sum of a[i]'s 8 lanes.
+FERRY_AVX2 FERRY_INLINE __m128 Sum4(const __m256* a) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+FERRY_AVX2 FERRY_INLINE float Max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+FERRY_AVX2 FERRY_INLINE float Sum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// exp(x) for x <= 0 or -inf on 8 lanes (ExpNonPositive's steps): 0 below -87.
+FERRY_AVX2 FERRY_INLINE __m256 Exp256NonPositive(__m256 x) {
+  const __m256 y = Exp256InRange(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)));
+  return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+}
+
+template <typename TQ, typename TKV, int64_t kD>
+FERRY_AVX2 void DecodeTileAvx2Of(const Problem<TQ, TKV>& p, const Tile& tile, Scratch& sc) {
+  constexpr int64_t kChunk = 16;  // keys per softmax step
+  const Geometry& g = p.g;
+  const int64_t G = g.group, D = kD ? kD : g.head_dim, BS = g.block_size, NH = tile.nheads, C = D / 8;
+  const int64_t M = NH * G;  // query vectors: hh * G + gi; slot M: an odd G's twin
+  const int64_t keys = TileKeys(g, tile);
+  const int64_t q_row_stride = g.num_q_heads * D, kv_row_stride = g.num_kv_heads * D;
+  sc.Reserve(1, M + 1, 2 * kChunk, D);
+  float* qf = sc.q.data();
+  float* acc = sc.acc.data();
+  float* mx = sc.m.data();
+  float* l = sc.l.data();
+  float* pw = sc.s.data();  // the pair's 2 x kChunk weights
+  const TQ* q_src = p.q + tile.row0 * q_row_stride + tile.head0 * G * D;
+  for (int64_t i = 0; i < M * D; ++i) qf[i] = ToF32(q_src[i]) * p.scale;
+  std::fill(acc, acc + (M + 1) * D, 0.0f);
+  std::fill(mx, mx + M + 1, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + M + 1, 0.0f);
+  const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const TilePages pages(p.tables, g, tile, keys);
+  for (int64_t j = 0; j < pages.count; ++j) {
+    const int64_t n = std::min(BS, keys - j * BS), offset = pages.Offset(j);
+    pages.PrefetchAhead(p.k, p.v, j, NH * D);
+    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+      const int64_t kc = std::min(kChunk, n - c0), halves = (kc + 7) / 8;
+      for (int64_t hh = 0; hh < NH; ++hh) {
+        const TKV* kr = p.k + offset + c0 * kv_row_stride + hh * D;
+        const TKV* vr = p.v + offset + c0 * kv_row_stride + hh * D;
+        for (int64_t gi = 0; gi < G; gi += 2) {
+          const int64_t m0 = hh * G + gi, m1 = gi + 1 < G ? m0 + 1 : M;
+          const float* q0 = qf + m0 * D;
+          const float* q1 = qf + (gi + 1 < G ? m1 : m0) * D;
+          __m256 scores[2][2];  // [vector][keys 8 h..]
+          for (int64_t h = 0; h < halves; ++h) {
+            __m128 quarter[2][2];
+            for (int h4 = 0; h4 < 2; ++h4) {
+              // An absent key reads the last present row (masked below): no branch in the dot loop.
+              const TKV* rows[4];
+              FERRY_UNROLL for (int t = 0; t < 4; ++t)
+                rows[t] = kr + std::min<int64_t>(8 * h + 4 * h4 + t, kc - 1) * kv_row_stride;
+              __m256 dots[8];
+              FERRY_UNROLL for (int t = 0; t < 8; ++t) dots[t] = _mm256_setzero_ps();
+              for (int64_t c = 0; c < C; ++c) {
+                const __m256 a = _mm256_loadu_ps(q0 + 8 * c), b = _mm256_loadu_ps(q1 + 8 * c);
+                FERRY_UNROLL for (int t = 0; t < 4; ++t) {
+                  const __m256 kv = Row8(rows[t], c);
+                  dots[t] = _mm256_fmadd_ps(a, kv, dots[t]);
+                  dots[4 + t] = _mm256_fmadd_ps(b, kv, dots[4 + t]);
+                }
+              }
+              quarter[0][h4] = Sum4(dots);
+              quarter[1][h4] = Sum4(dots + 4);
+            }
+            for (int v = 0; v < 2; ++v) scores[v][h] = _mm256_set_m128(quarter[v][1], quarter[v][0]);
+          }
+          const int64_t slots[2] = {m0, m1};
+          float alpha[2];
+          for (int v = 0; v < 2; ++v) {
+            float* w = pw + kChunk * v;
+            __m256 chunk_max = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+            for (int64_t h = 0; h < halves; ++h) {
+              if (cap > 0.0f) {
+                _mm256_storeu_ps(w, scores[v][h]);
+                for (int t = 0; t < 8; ++t) w[t] = cap * Tanh(w[t] * inv_cap);
+                scores[v][h] = _mm256_loadu_ps(w);
+              }
+              const __m256 present = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(kc - 8 * h)), _CMP_LT_OQ);
+              scores[v][h] = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), scores[v][h],
+                                              present);
+              chunk_max = _mm256_max_ps(chunk_max, scores[v][h]);
+            }
+            const int64_t mi = slots[v];
+            const float old_max = mx[mi], new_max = std::max(old_max, Max8(chunk_max));
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t h = 0; h < halves; ++h) {
+              const __m256 e = Exp256NonPositive(_mm256_sub_ps(scores[v][h], _mm256_set1_ps(new_max)));
+              sum = _mm256_add_ps(sum, e);
+              _mm256_storeu_ps(w + 8 * h, e);
+            }
+            // 0 on the first keys (old max -inf), 1 while the max holds.
+            alpha[v] = new_max > old_max ? std::exp(old_max - new_max) : 1.0f;
+            mx[mi] = new_max;
+            l[mi] = l[mi] * alpha[v] + Sum8(sum);
+          }
+          for (int64_t cb = 0; cb < C; cb += 4) {  // 32 features of both accumulators at a time
+            const int64_t cn = std::min<int64_t>(4, C - cb);
+            __m256 a[2][4];
+            for (int v = 0; v < 2; ++v)
+              for (int64_t u = 0; u < 4; ++u)
+                a[v][u] = u < cn ? _mm256_mul_ps(_mm256_loadu_ps(acc + slots[v] * D + 8 * (cb + u)),
+                                                 _mm256_set1_ps(alpha[v]))
+                                 : _mm256_setzero_ps();
+            const float* w0 = pw;
+            const float* w1 = pw + kChunk;
+            for (int64_t t = 0; t < kc; ++t) {
+              const __m256 b0 = _mm256_set1_ps(w0[t]), b1 = _mm256_set1_ps(w1[t]);
+              const TKV* row = vr + t * kv_row_stride;
+              for (int64_t u = 0; u < cn; ++u) {
+                const __m256 x = Row8(row, cb + u);
+                a[0][u] = _mm256_fmadd_ps(b0, x, a[0][u]);
+                a[1][u] = _mm256_fmadd_ps(b1, x, a[1][u]);
+              }
+            }
+            for (int v = 0; v < 2; ++v)
+              for (int64_t u = 0; u < cn; ++u) _mm256_storeu_ps(acc + slots[v] * D + 8 * (cb + u), a[v][u]);
+          }
+        }
+      }
+    }
+  }
+  TQ* dst = p.out + tile.row0 * q_row_stride + tile.head0 * G * D;
+  for (int64_t mi = 0; mi < M; ++mi) {
+    const float inv = l[mi] > 0.0f ? 1.0f / l[mi] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) FromF32(l[mi] > 0.0f ? acc[mi * D + d] * inv : 0.0f, dst + mi * D + d);
+  }
+}
+
+template <typename TQ, typename TKV>
+void DecodeTileAvx2AnyD(const Problem<TQ, TKV>& p, const Tile& t, Scratch& sc) {
+  switch (p.g.head_dim) {  // common head dims get fully unrolled loops
+    case 64: return DecodeTileAvx2Of<TQ, TKV, 64>(p, t, sc);
+    case 128: return DecodeTileAvx2Of<TQ, TKV, 128>(p, t, sc);
+    default: return DecodeTileAvx2Of<TQ, TKV, 0>(p, t, sc);
+  }
+}
+
+void DecodeTileAvx2(const Problem<float, float>& p, const Tile& t, Scratch& sc) { DecodeTileAvx2AnyD(p, t, sc); }
+void DecodeTileAvx2(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc) { DecodeTileAvx2AnyD(p, t, sc); }
+void DecodeTileAvx2(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc) { DecodeTileAvx2AnyD(p, t, sc); }
+
 // ----------------------------------------------------------------------------- prefill tiles (AVX-512)
 
 // A prefill tile (nrows query rows x G query heads of one kv head: M query vectors) as two small GEMMs
@@ -1896,6 +2078,9 @@ void PrefillTileAvx512(const Problem<float, uint16_t>&, const Tile&, Scratch&) {
 void DecodeTileAvx512(const Problem<float, float>&, const Tile&, Scratch&) {}
 void DecodeTileAvx512(const Problem<uint16_t, uint16_t>&, const Tile&, Scratch&) {}
 void DecodeTileAvx512(const Problem<float, uint16_t>&, const Tile&, Scratch&) {}
+void DecodeTileAvx2(const Problem<float, float>&, const Tile&, Scratch&) {}
+void DecodeTileAvx2(const Problem<uint16_t, uint16_t>&, const Tile&, Scratch&) {}
+void DecodeTileAvx2(const Problem<float, uint16_t>&, const Tile&, Scratch&) {}
 #endif
 
 struct MatmulWork {
