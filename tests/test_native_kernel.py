@@ -321,7 +321,7 @@ def test_build_from_source_and_stale_check(tmp_path, monkeypatch):
 STACKED_MATMUL_SHAPES = [  # (M, K, N, groups): odd sizes, one row and many, odd K (a bf16 panel's last pair
     # half empty), panels of 64 columns and their tails, and two column parts padded apart
     (1, 1, 1, 1), (1, 576, 1728, 2), (1, 37, 1050, 1), (1, 1027, 520, 2), (5, 33, 70, 2), (7, 129, 17, 1),
-    (16, 256, 1024, 1), (13, 100, 129, 1), (70, 64, 200, 2)]
+    (16, 256, 1024, 1), (13, 100, 129, 1), (70, 64, 200, 2), (2, 96, 200, 1), (9, 65, 130, 2)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -420,7 +420,7 @@ def test_gated_stacked_matmul_matches_its_parts(seed, x_dtype, w_dtype, path, ac
     rng = np.random.default_rng(seed)
     dtype = jnp.bfloat16 if x_dtype == jnp.bfloat16 or w_dtype == jnp.bfloat16 else jnp.float32
     moved = np.zeros(2, np.int64)  # bf16 outputs that differ, outputs
-    for m, k, half in [(1, 64, 96), (5, 33, 35), (13, 128, 128), (70, 64, 200)]:
+    for m, k, half in [(1, 64, 96), (2, 48, 100), (5, 33, 35), (9, 64, 72), (13, 128, 128), (70, 64, 200)]:
         w = jnp.asarray(rng.standard_normal((2, k, 2 * half)) / np.sqrt(k) * 3, w_dtype)
         packed = native.pack_stacked(w, 2)
         x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
@@ -463,7 +463,9 @@ def test_stacked_matmul_paths_agree_bit_for_bit(seed, w_dtype, monkeypatch):
     if not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("the CPU lacks AVX2/FMA (or /proc/cpuinfo): the portable loops take no FMA clone")
     rng = np.random.default_rng(seed)
-    for m, k, n, groups in [(1, 37, 1050, 1), (13, 129, 200, 2), (70, 64, 520, 2), (7, 512, 64, 1)]:
+    # every tile height (rows 1-6: 1 and 2 take wider strips on AVX2), panel tails, odd K
+    for m, k, n, groups in [(1, 37, 1050, 1), (2, 70, 300, 1), (9, 65, 130, 2), (13, 129, 200, 2), (70, 64, 520, 2),
+                            (7, 512, 64, 1), (5, 33, 100, 1)]:
         w = jnp.asarray(rng.standard_normal((2, k, n)), w_dtype)
         packed = native.pack_stacked(w, groups)
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
