@@ -36,7 +36,10 @@
 // with the heads split when the batch is small, and (sequence, query tile, kv head) in prefill,
 // where on AVX-512 a tile runs as two small GEMMs per 16 keys (PrefillTileAvx512). A prefill call's
 // sequences of one query row (a ragged step's decodes) take decode tiles: 2.7x faster for them than a
-// one-row GEMM tile, and the same result as a decode step's.
+// one-row GEMM tile, and the same result as a decode step's. On AVX2 without AVX-512, decode tiles run
+// in 8-lane vectors (DecodeTileAvx2) and the matmul in AVX2 panel tiles; elsewhere (and for prefill
+// there) the portable loops, GCC's vectors. FERRY_NATIVE_NO_AVX512=1 takes the AVX2 code on an AVX-512
+// CPU (tests).
 // They are spread over XLA's intra-op thread pool (FFI ThreadPool context); the calling thread
 // takes items too, so the call never waits on a busy pool. FERRY_NATIVE_ATTENTION_THREADS=N caps
 // the number of threads (1 = serial); the result does not depend on it.
