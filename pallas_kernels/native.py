@@ -262,6 +262,17 @@ def _cpu_backend_exists() -> bool:
         return False
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them ("avx2", "fma", "avx512f", ...); empty elsewhere. Which
+    native paths run is the library's choice (__builtin_cpu_supports); tests and benchmarks ask this to
+    know which paths a CPU has."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def available() -> bool:
     """True when the native library is loaded and registered (built on first use if needed)."""
     return _load()["lib"] is not None

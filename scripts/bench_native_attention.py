@@ -54,6 +54,16 @@ def layered(attention, scale):
 TIMING_BLOCKS = 4  # blocks of calls per fn (time_side_by_side)
 
 
+def add_common_flags(parser, *, warmup, runs):
+    """The native micro-benchmarks' shared flags: dtype, timing (time_side_by_side), seed and JSON."""
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed calls before each block of timed ones")
+    parser.add_argument("--runs", type=int, default=runs,
+                        help=f"timed calls per fn, rounded up to a multiple of {TIMING_BLOCKS} (the blocks)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json_out", help="write the results here as JSON")
+
+
 def time_side_by_side(fns, args, *, warmup, runs):
     """Per fn: (median ms, min ms). Each fn runs its calls in blocks, the blocks taking turns (a b b a
     ...), so slow drift of a shared machine hits the fns alike; a block starts with `warmup` untimed
@@ -81,12 +91,7 @@ def main():
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--block_size", type=int, default=16)
     parser.add_argument("--layers", type=int, default=1, help="KV caches per call, attended in turn")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each block of timed ones")
-    parser.add_argument("--runs", type=int, default=20,
-                        help=f"timed calls per fn, rounded up to a multiple of {TIMING_BLOCKS} (the blocks)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json_out", help="write the results here as JSON")
+    add_common_flags(parser, warmup=3, runs=20)
     args = parser.parse_args()
 
     if not native.available():

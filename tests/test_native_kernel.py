@@ -447,20 +447,12 @@ def test_gated_stacked_matmul_matches_its_parts(seed, x_dtype, w_dtype, path, ac
         assert moved[0] < limit * moved[1], f"{moved[0]} of {moved[1]} bf16 outputs moved seed={seed}"
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16w"])
 def test_stacked_matmul_paths_agree_bit_for_bit(seed, w_dtype, monkeypatch):
     """Float32 x: every path sums each column over k in order, one FMA per term, so the AVX-512 tiles,
     the AVX2 tiles and the portable loops (their FMA clone) give the same bits in every panel tail and row
     block. Needs AVX2 and FMA: without them the portable loops multiply and add apart."""
-    if not {"avx2", "fma"} <= cpu_flags():
+    if not {"avx2", "fma"} <= native.cpu_flags():
         pytest.skip("the CPU lacks AVX2/FMA (or /proc/cpuinfo): the portable loops take no FMA clone")
     rng = np.random.default_rng(seed)
     # every tile height (rows 1-6: 1 and 2 take wider strips on AVX2), panel tails, odd K

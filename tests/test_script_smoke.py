@@ -51,6 +51,24 @@ def test_bench_native_attention(tmp_path):
         assert r["native_kv_gb_per_s"] > 0
 
 
+def test_bench_native_matmul(tmp_path):
+    """Every linear at two row counts through each path this CPU has; float32 x: the same bits on every
+    path (the gate within float32 rounding: the AVX-512 one is its own code)."""
+    out = tmp_path / "matmul.json"
+    stdout = _run(["scripts/bench_native_matmul.py", "--rows", "1", "7", "--hidden=32", "--intermediate=72",
+                   "--q_heads=2", "--kv_heads=1", "--head_dim=16", "--vocab=100", "--layers=2", "--runs=2",
+                   "--warmup=1", "--json_out", str(out)], tmp_path)
+    assert "GFLOP/s" in stdout
+    report = json.load(open(out))
+    assert report["paths"][0] == "default" and report["paths"][-1] == "portable"
+    rows = report["results"]
+    assert [(r["linear"], r["rows"]) for r in rows] == [
+        (name, m) for name in ("qkv", "o", "gate_up", "down", "lm_head") for m in (1, 7)]
+    for r in rows:
+        assert r["max_abs_diff"] <= (1e-5 if r["linear"] == "gate_up" else 0.0), r
+        assert all(r[p]["median_ms"] > 0 and r[p]["gflop_per_s"] > 0 for p in report["paths"])
+
+
 def test_benchmark_startup(tmp_path):
     """Two depths of a tiny model: the table, the JSON, and the same program count for both (scan)."""
     out = tmp_path / "startup.json"
