@@ -36,9 +36,9 @@
 // with the heads split when the batch is small, and (sequence, query tile, kv head) in prefill,
 // where on AVX-512 a tile runs as two small GEMMs per 16 keys (PrefillTileAvx512). A prefill call's
 // sequences of one query row (a ragged step's decodes) take decode tiles: 2.7x faster for them than a
-// one-row GEMM tile, and the same result as a decode step's. On AVX2 without AVX-512, decode tiles run
-// in 8-lane vectors (DecodeTileAvx2) and the matmul in AVX2 panel tiles; elsewhere (and for prefill
-// there) the portable loops, GCC's vectors. FERRY_NATIVE_NO_AVX512=1 takes the AVX2 code on an AVX-512
+// one-row GEMM tile, and the same result as a decode step's. On AVX2 without AVX-512, prefill and decode
+// tiles run in 8-lane vectors (PrefillTileAvx2, DecodeTileAvx2) and the matmul in AVX2 panel tiles;
+// elsewhere the portable loops, GCC's vectors. FERRY_NATIVE_NO_AVX512=1 takes the AVX2 code on an AVX-512
 // CPU (tests).
 // They are spread over XLA's intra-op thread pool (FFI ThreadPool context); the calling thread
 // takes items too, so the call never waits on a busy pool. FERRY_NATIVE_ATTENTION_THREADS=N caps
@@ -306,8 +306,8 @@ Scratch& ThreadScratch() {
 
 // The tiles a problem runs: the vector-at-a-time ones (any CPU, any head_dim); on AVX-512 PrefillTileAvx512
 // for prefill tiles (head_dim % 16 == 0) and DecodeTileAvx512 for decode ones (head_dim % 32 == 0); on AVX2
-// without it DecodeTileAvx2 for decode tiles (head_dim % 8 == 0).
-enum class TileKind { kVector, kPrefillAvx512, kDecodeAvx512, kDecodeAvx2 };
+// without it PrefillTileAvx2 and DecodeTileAvx2 (head_dim % 8 == 0).
+enum class TileKind { kVector, kPrefillAvx512, kDecodeAvx512, kPrefillAvx2, kDecodeAvx2 };
 
 // TQ: the element type of q and out; TKV: of the k/v pages (float or uint16_t = bfloat16).
 template <typename TQ, typename TKV>
@@ -524,6 +524,9 @@ void DecodeTileAvx512(const Problem<float, uint16_t>& p, const Tile& t, Scratch&
 void DecodeTileAvx2(const Problem<float, float>& p, const Tile& t, Scratch& sc);
 void DecodeTileAvx2(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc);
 void DecodeTileAvx2(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc);
+void PrefillTileAvx2(const Problem<float, float>& p, const Tile& t, Scratch& sc);
+void PrefillTileAvx2(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc);
+void PrefillTileAvx2(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc);
 bool UseAvx512Matmul();
 bool UseAvx2Matmul();
 
@@ -531,18 +534,21 @@ FERRY_INLINE void AttendTile(const Problem<float, float>& p, const Tile& t, Scra
   if (p.tiles == TileKind::kPrefillAvx512) return PrefillTileAvx512(p, t, sc);
   if (p.tiles == TileKind::kDecodeAvx512) return DecodeTileAvx512(p, t, sc);
   if (p.tiles == TileKind::kDecodeAvx2) return DecodeTileAvx2(p, t, sc);
+  if (p.tiles == TileKind::kPrefillAvx2) return PrefillTileAvx2(p, t, sc);
   AttendTileF32(p, t, sc);
 }
 FERRY_INLINE void AttendTile(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc) {
   if (p.tiles == TileKind::kPrefillAvx512) return PrefillTileAvx512(p, t, sc);
   if (p.tiles == TileKind::kDecodeAvx512) return DecodeTileAvx512(p, t, sc);
   if (p.tiles == TileKind::kDecodeAvx2) return DecodeTileAvx2(p, t, sc);
+  if (p.tiles == TileKind::kPrefillAvx2) return PrefillTileAvx2(p, t, sc);
   AttendTileBf16(p, t, sc);
 }
 FERRY_INLINE void AttendTile(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc) {
   if (p.tiles == TileKind::kPrefillAvx512) return PrefillTileAvx512(p, t, sc);
   if (p.tiles == TileKind::kDecodeAvx512) return DecodeTileAvx512(p, t, sc);
   if (p.tiles == TileKind::kDecodeAvx2) return DecodeTileAvx2(p, t, sc);
+  if (p.tiles == TileKind::kPrefillAvx2) return PrefillTileAvx2(p, t, sc);
   AttendTileF32Bf16(p, t, sc);
 }
 
@@ -716,7 +722,7 @@ TileKind AttentionTiles(const Geometry& g, bool decode) {
   if (EnvIsOne("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES")) return TileKind::kVector;
   if (UseAvx512Matmul() && g.head_dim % (decode ? 32 : 16) == 0)
     return decode ? TileKind::kDecodeAvx512 : TileKind::kPrefillAvx512;
-  if (decode && UseAvx2Matmul() && g.head_dim % 8 == 0) return TileKind::kDecodeAvx2;
+  if (UseAvx2Matmul() && g.head_dim % 8 == 0) return decode ? TileKind::kDecodeAvx2 : TileKind::kPrefillAvx2;
   return TileKind::kVector;
 }
 
@@ -789,7 +795,8 @@ ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   const int32_t* qsl = query_start_loc.typed_data();
   // Query tiles of ~32 query vectors (rows x group) share every K/V row they load; 64 for the GEMM
   // tiles (measured: 1.1-1.3x of 32 at 512-token chunks, the same at 128).
-  const bool gemm_tiles = AttentionTiles(g, /*decode=*/false) == TileKind::kPrefillAvx512;
+  const TileKind prefill_kind = AttentionTiles(g, /*decode=*/false);
+  const bool gemm_tiles = prefill_kind == TileKind::kPrefillAvx512 || prefill_kind == TileKind::kPrefillAvx2;
   const int64_t tile_rows = std::max<int64_t>(1, (gemm_tiles ? 64 : 32) / g.group);
   std::vector<Tile> tiles;
   std::vector<int64_t> one_row;  // sequences of one query row (a ragged step's decodes): decode tiles
@@ -1521,7 +1528,60 @@ bool UseAvx2Matmul() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-// ----------------------------------------------------------------------------- decode tiles (AVX2)
+// A prefill GEMM tile's query vectors as lanes (PrefillTileAvx512Of: 16 a group, PrefillTileAvx2Of: 8), its
+// scratch: Q^T [D][lanes] scaled, the keys each lane sees (0 past the tile's M vectors), the online softmax's
+// state, P^T of one lane group and the alpha per lane, K and V of one chunk widened.
+struct PrefillLanes {
+  int64_t vectors, lanes, max_keys;  // M = nrows * G query vectors (m = r * G + gi), lanes padded to `width`
+  float *qt, *acc, *mx, *l, *pt, *alpha, *kb, *vb;
+  int32_t* lane_keys;
+
+  template <typename TQ, typename TKV>
+  static PrefillLanes Start(const Problem<TQ, TKV>& p, const Tile& tile, Scratch& sc, int64_t D, int64_t width) {
+    const Geometry& g = p.g;
+    const int64_t G = g.group, M = tile.nrows * G, lanes = (M + width - 1) / width * width;
+    const int64_t max_keys_total = g.num_blocks > 0 ? g.table_width * g.block_size : 0;
+    auto grow = [](auto& vec, int64_t n) {
+      if (static_cast<int64_t>(vec.size()) < n) vec.resize(n);
+    };
+    grow(sc.q, D * lanes);
+    grow(sc.acc, lanes * D);
+    grow(sc.m, lanes);
+    grow(sc.l, lanes);
+    grow(sc.s, width * width + lanes);
+    grow(sc.k, width * D);
+    grow(sc.v, width * D);
+    grow(sc.lane_keys, lanes);
+    PrefillLanes t{M, lanes, 0, sc.q.data(), sc.acc.data(), sc.m.data(), sc.l.data(), sc.s.data(),
+                   sc.s.data() + width * width, sc.k.data(), sc.v.data(), sc.lane_keys.data()};
+    for (int64_t m = 0; m < lanes; ++m) {
+      const int64_t keys = m < M ? std::clamp<int64_t>(tile.first_pos + m / G + 1, 0, max_keys_total) : 0;
+      t.lane_keys[m] = static_cast<int32_t>(keys);
+      t.max_keys = std::max(t.max_keys, keys);
+    }
+    for (int64_t m = 0; m < lanes; ++m) {
+      const TQ* src = p.q + (tile.row0 + m / G) * g.num_q_heads * D + (tile.head0 * G + m % G) * D;
+      for (int64_t d = 0; d < D; ++d) t.qt[d * lanes + m] = m < M ? ToF32(src[d]) * p.scale : 0.0f;
+    }
+    std::fill(t.acc, t.acc + lanes * D, 0.0f);
+    std::fill(t.mx, t.mx + lanes, -std::numeric_limits<float>::infinity());
+    std::fill(t.l, t.l + lanes, 0.0f);
+    return t;
+  }
+
+  // out = acc / l per query vector (0 where it saw no key).
+  template <typename TQ, typename TKV>
+  void Finish(const Problem<TQ, TKV>& p, const Tile& tile, int64_t D) const {
+    const int64_t G = p.g.group;
+    for (int64_t m = 0; m < vectors; ++m) {
+      TQ* dst = p.out + (tile.row0 + m / G) * p.g.num_q_heads * D + (tile.head0 * G + m % G) * D;
+      const float inv = l[m] > 0.0f ? 1.0f / l[m] : 0.0f;
+      for (int64_t d = 0; d < D; ++d) FromF32(l[m] > 0.0f ? acc[m * D + d] * inv : 0.0f, dst + d);
+    }
+  }
+};
+
+// ----------------------------------------------------------------------------- attention tiles (AVX2)
 
 // A decode tile on AVX2 (no AVX-512), DecodeTileAvx512's plan in 8-lane vectors: one query row, kv heads
 // head0.. of one sequence, G query vectors each taken two at a time (an odd G's last one paired with
@@ -1680,6 +1740,132 @@ FERRY_AVX2 void DecodeTileAvx2Of(const Problem<TQ, TKV>& p, const Tile& tile, Sc
   }
 }
 
+// A prefill tile on AVX2: PrefillTileAvx512Of's two small GEMMs per chunk of keys in 8-lane vectors,
+// S^T [8 keys][8 query vectors] in 8 registers, the online softmax across them (a lane per query vector),
+// then acc += P · V two query vectors x 32 features at a time. K and V rows are widened into scratch 8 at a
+// time (read once per tile). Against the vector-at-a-time tiles (8 q / 4 kv heads, D 64, 2-core Zen 2):
+// 4 x 128-token chunks 2.0 -> 1.4 ms, a 512-token chunk 6.5-7.3 -> 3.7, after a 1024-token prefix 30.9 ->
+// 16.8 (bf16 alike).
+FERRY_AVX2 FERRY_INLINE void WidenRow8(const float* src, int64_t d, float* dst) { std::memcpy(dst, src, d * 4); }
+FERRY_AVX2 FERRY_INLINE void WidenRow8(const uint16_t* src, int64_t d, float* dst) {
+  for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, Row8(src + i, 0));
+}
+
+// acc[m] = acc[m] * alpha[m] + sum_{t < kc} pt[t][lane m % 8] * v[t] for QB query vectors from m0, 32
+// features (4 vectors) at a time.
+template <int QB, int64_t kD>
+FERRY_AVX2 FERRY_INLINE void AccumulatePv8(float* acc, int64_t d, const float* alpha, const float* pt, const float* v,
+                                           int64_t kc, int64_t m0) {
+  const int64_t D = kD ? kD : d;
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    const int nv = static_cast<int>(std::min<int64_t>(4, (D - d0) / 8));
+    __m256 c[QB][4];
+    for (int q = 0; q < QB; ++q) {
+      const __m256 a = _mm256_set1_ps(alpha[m0 + q]);
+      for (int j = 0; j < 4; ++j)
+        c[q][j] = j < nv ? _mm256_mul_ps(_mm256_loadu_ps(acc + (m0 + q) * D + d0 + 8 * j), a) : _mm256_setzero_ps();
+    }
+    for (int64_t t = 0; t < kc; ++t) {
+      const float* vt = v + t * D + d0;
+      __m256 vv[4];
+      for (int j = 0; j < 4; ++j) vv[j] = j < nv ? _mm256_loadu_ps(vt + 8 * j) : _mm256_setzero_ps();
+      for (int q = 0; q < QB; ++q) {
+        const __m256 w = _mm256_set1_ps(pt[t * 8 + (m0 + q) % 8]);
+        for (int j = 0; j < 4; ++j) c[q][j] = _mm256_fmadd_ps(w, vv[j], c[q][j]);
+      }
+    }
+    for (int q = 0; q < QB; ++q)
+      for (int j = 0; j < nv; ++j) _mm256_storeu_ps(acc + (m0 + q) * D + d0 + 8 * j, c[q][j]);
+  }
+}
+
+template <typename TQ, typename TKV, int64_t kD>
+FERRY_AVX2 void PrefillTileAvx2Of(const Problem<TQ, TKV>& p, const Tile& tile, Scratch& sc) {
+  const Geometry& g = p.g;
+  const int64_t D = kD ? kD : g.head_dim, BS = g.block_size, kv_row_stride = g.num_kv_heads * D;
+  const PrefillLanes t = PrefillLanes::Start(p, tile, sc, D, 8);
+  const int64_t M = t.vectors, lanes = t.lanes, max_keys = t.max_keys;
+  float *qt = t.qt, *acc = t.acc, *mx = t.mx, *l = t.l, *pt = t.pt, *alpha = t.alpha, *kb = t.kb, *vb = t.vb;
+  const int32_t* lane_keys = t.lane_keys;
+
+  const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
+  const TilePages pages(p.tables, g, tile, max_keys);
+  for (int64_t j = 0; j < pages.count; ++j) {
+    const int64_t base = j * BS, n = std::min(BS, max_keys - base), offset = pages.Offset(j);
+    pages.PrefetchAhead(p.k, p.v, j, D);
+    for (int64_t c0 = 0; c0 < n; c0 += 8) {
+      const int64_t kc = std::min<int64_t>(8, n - c0);
+      for (int64_t t = 0; t < kc; ++t) {
+        WidenRow8(p.k + offset + (c0 + t) * kv_row_stride, D, kb + t * D);
+        WidenRow8(p.v + offset + (c0 + t) * kv_row_stride, D, vb + t * D);
+      }
+      std::fill(kb + kc * D, kb + 8 * D, 0.0f);  // scores of absent keys are masked, never NaN
+      for (int64_t m0 = 0; m0 < lanes; m0 += 8) {
+        const __m256i keys = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lane_keys + m0));
+        if (_mm256_testz_si256(_mm256_cmpgt_epi32(keys, _mm256_set1_epi32(static_cast<int32_t>(base + c0))),
+                               _mm256_set1_epi32(-1)))
+          continue;  // no lane sees this chunk's first key (causal: nor the rest)
+        __m256 st[8];
+        for (int t = 0; t < 8; ++t) st[t] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; ++d) {
+          const __m256 qv = _mm256_loadu_ps(qt + d * lanes + m0);
+          for (int t = 0; t < 8; ++t) st[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(kb + t * D + d), qv, st[t]);
+        }
+        if (cap > 0.0f) {
+          for (int t = 0; t < 8; ++t) _mm256_storeu_ps(pt + 8 * t, st[t]);
+#pragma omp simd
+          for (int i = 0; i < 64; ++i) pt[i] = cap * Tanh(pt[i] * inv_cap);
+          for (int t = 0; t < 8; ++t) st[t] = _mm256_loadu_ps(pt + 8 * t);
+        }
+        __m256 seen[8];  // all-ones lanes: the query vector sees key t
+        const __m256 old_max = _mm256_loadu_ps(mx + m0);
+        __m256 new_max = old_max;
+        for (int t = 0; t < 8; ++t) {
+          seen[t] = t < kc ? _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                                 keys, _mm256_set1_epi32(static_cast<int32_t>(base + c0 + t))))
+                           : _mm256_setzero_ps();
+          new_max = _mm256_blendv_ps(new_max, _mm256_max_ps(new_max, st[t]), seen[t]);
+        }
+        // 0 on a lane's first keys (old max -inf), 1 while its max holds; lanes that have seen no
+        // key yet keep -inf, their sums stay 0.
+        const __m256 grew = _mm256_cmp_ps(new_max, old_max, _CMP_GT_OQ);
+        const __m256 lane_alpha = _mm256_blendv_ps(_mm256_set1_ps(1.0f),
+                                                   Exp256NonPositive(_mm256_sub_ps(old_max, new_max)), grew);
+        __m256 sum = _mm256_setzero_ps();
+        for (int t = 0; t < 8; ++t) {
+          const __m256 e = _mm256_and_ps(seen[t], Exp256NonPositive(_mm256_sub_ps(st[t], new_max)));
+          sum = _mm256_add_ps(sum, e);
+          _mm256_storeu_ps(pt + 8 * t, e);
+        }
+        _mm256_storeu_ps(mx + m0, new_max);
+        _mm256_storeu_ps(l + m0, _mm256_fmadd_ps(_mm256_loadu_ps(l + m0), lane_alpha, sum));
+        _mm256_storeu_ps(alpha, lane_alpha);
+        const int64_t m_end = std::min<int64_t>(m0 + 8, M);
+        int64_t m = m0;
+        for (; m + 2 <= m_end; m += 2) AccumulatePv8<2, kD>(acc, D, alpha - m0, pt, vb, kc, m);
+        for (; m < m_end; ++m) AccumulatePv8<1, kD>(acc, D, alpha - m0, pt, vb, kc, m);
+      }
+    }
+  }
+
+  t.Finish(p, tile, D);
+}
+
+template <typename TQ, typename TKV>
+void PrefillTileAvx2AnyD(const Problem<TQ, TKV>& p, const Tile& t, Scratch& sc) {
+  switch (p.g.head_dim) {  // common head dims get constant offsets
+    case 64: return PrefillTileAvx2Of<TQ, TKV, 64>(p, t, sc);
+    case 128: return PrefillTileAvx2Of<TQ, TKV, 128>(p, t, sc);
+    default: return PrefillTileAvx2Of<TQ, TKV, 0>(p, t, sc);
+  }
+}
+
+void PrefillTileAvx2(const Problem<float, float>& p, const Tile& t, Scratch& sc) { PrefillTileAvx2AnyD(p, t, sc); }
+void PrefillTileAvx2(const Problem<uint16_t, uint16_t>& p, const Tile& t, Scratch& sc) {
+  PrefillTileAvx2AnyD(p, t, sc);
+}
+void PrefillTileAvx2(const Problem<float, uint16_t>& p, const Tile& t, Scratch& sc) { PrefillTileAvx2AnyD(p, t, sc); }
+
 template <typename TQ, typename TKV>
 void DecodeTileAvx2AnyD(const Problem<TQ, TKV>& p, const Tile& t, Scratch& sc) {
   switch (p.g.head_dim) {  // common head dims get fully unrolled loops
@@ -1744,45 +1930,11 @@ FERRY_AVX512 FERRY_INLINE void AccumulatePv(float* acc, int64_t d, const float* 
 template <typename TQ, typename TKV, int64_t kD>
 FERRY_AVX512 void PrefillTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile, Scratch& sc) {
   const Geometry& g = p.g;
-  const int64_t G = g.group, D = kD ? kD : g.head_dim, BS = g.block_size;
-  const int64_t M = tile.nrows * G;  // query vector m = r * G + gi (tiles hold one kv head)
-  const int64_t lanes = (M + 15) / 16 * 16;
-  const int64_t max_keys_total = g.num_blocks > 0 ? g.table_width * BS : 0;
-  const int64_t q_row_stride = g.num_q_heads * D, kv_row_stride = g.num_kv_heads * D;
-  auto grow = [](auto& vec, int64_t n) {
-    if (static_cast<int64_t>(vec.size()) < n) vec.resize(n);
-  };
-  grow(sc.q, D * lanes);
-  grow(sc.acc, lanes * D);
-  grow(sc.m, lanes);
-  grow(sc.l, lanes);
-  grow(sc.s, 16 * 16 + lanes);  // P^T of one lane group, then alpha per lane
-  grow(sc.k, 16 * D);
-  grow(sc.v, 16 * D);
-  grow(sc.lane_keys, lanes);
-  float* qt = sc.q.data();
-  float* acc = sc.acc.data();
-  float* mx = sc.m.data();
-  float* l = sc.l.data();
-  float* pt = sc.s.data();
-  float* alpha = pt + 16 * 16;
-  float* kb = sc.k.data();
-  float* vb = sc.v.data();
-  int32_t* lane_keys = sc.lane_keys.data();
-
-  int64_t max_keys = 0;
-  for (int64_t m = 0; m < lanes; ++m) {
-    const int64_t keys = m < M ? std::clamp<int64_t>(tile.first_pos + m / G + 1, 0, max_keys_total) : 0;
-    lane_keys[m] = static_cast<int32_t>(keys);
-    max_keys = std::max(max_keys, keys);
-  }
-  for (int64_t m = 0; m < lanes; ++m) {
-    const TQ* src = p.q + (tile.row0 + m / G) * q_row_stride + (tile.head0 * G + m % G) * D;
-    for (int64_t d = 0; d < D; ++d) qt[d * lanes + m] = m < M ? ToF32(src[d]) * p.scale : 0.0f;
-  }
-  std::fill(acc, acc + lanes * D, 0.0f);
-  std::fill(mx, mx + lanes, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + lanes, 0.0f);
+  const int64_t D = kD ? kD : g.head_dim, BS = g.block_size, kv_row_stride = g.num_kv_heads * D;
+  const PrefillLanes t = PrefillLanes::Start(p, tile, sc, D, 16);
+  const int64_t M = t.vectors, lanes = t.lanes, max_keys = t.max_keys;
+  float *qt = t.qt, *acc = t.acc, *mx = t.mx, *l = t.l, *pt = t.pt, *alpha = t.alpha, *kb = t.kb, *vb = t.vb;
+  const int32_t* lane_keys = t.lane_keys;
 
   const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   const TilePages pages(p.tables, g, tile, max_keys);
@@ -1842,11 +1994,7 @@ FERRY_AVX512 void PrefillTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& til
     }
   }
 
-  for (int64_t m = 0; m < M; ++m) {
-    TQ* dst = p.out + (tile.row0 + m / G) * q_row_stride + (tile.head0 * G + m % G) * D;
-    const float inv = l[m] > 0.0f ? 1.0f / l[m] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) FromF32(l[m] > 0.0f ? acc[m * D + d] * inv : 0.0f, dst + d);
-  }
+  t.Finish(p, tile, D);
 }
 
 // A decode tile on AVX-512: one query row; kv heads head0.. of one sequence, G query vectors each, taken
@@ -2119,6 +2267,9 @@ void PrefillTileAvx512(const Problem<float, uint16_t>&, const Tile&, Scratch&) {
 void DecodeTileAvx512(const Problem<float, float>&, const Tile&, Scratch&) {}
 void DecodeTileAvx512(const Problem<uint16_t, uint16_t>&, const Tile&, Scratch&) {}
 void DecodeTileAvx512(const Problem<float, uint16_t>&, const Tile&, Scratch&) {}
+void PrefillTileAvx2(const Problem<float, float>&, const Tile&, Scratch&) {}
+void PrefillTileAvx2(const Problem<uint16_t, uint16_t>&, const Tile&, Scratch&) {}
+void PrefillTileAvx2(const Problem<float, uint16_t>&, const Tile&, Scratch&) {}
 void DecodeTileAvx2(const Problem<float, float>&, const Tile&, Scratch&) {}
 void DecodeTileAvx2(const Problem<uint16_t, uint16_t>&, const Tile&, Scratch&) {}
 void DecodeTileAvx2(const Problem<float, uint16_t>&, const Tile&, Scratch&) {}
