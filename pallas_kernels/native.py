@@ -262,6 +262,15 @@ def _cpu_backend_exists() -> bool:
         return False
 
 
+# The stacked matmul's paths and the environment switches that force them (read by the library on every
+# call; the others unset): the CPU's own (AVX-512 where present, else AVX2 where present), AVX2 on an
+# AVX-512 CPU, bf16 x widened instead of AVX512-BF16's dot products, the portable loops. For tests and
+# benchmarks.
+MATMUL_PATH_SWITCHES = {"default": {}, "avx2": {"FERRY_NATIVE_NO_AVX512": "1"},
+                        "widened": {"FERRY_NATIVE_MATMUL_NO_BF16_DOT": "1"},
+                        "portable": {"FERRY_NATIVE_MATMUL_GENERIC": "1"}}
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux lists them ("avx2", "fma", "avx512f", ...); empty elsewhere. Which
     native paths run is the library's choice (__builtin_cpu_supports); tests and benchmarks ask this to

@@ -24,8 +24,7 @@ import numpy as np
 from bench_native_attention import add_common_flags, time_side_by_side
 from pallas_kernels import native
 
-# name -> the switches it sets (the others unset)
-PATHS = {"default": {}, "avx2": {"FERRY_NATIVE_NO_AVX512": "1"}, "portable": {"FERRY_NATIVE_MATMUL_GENERIC": "1"}}
+PATHS = native.MATMUL_PATH_SWITCHES  # name -> the switches it sets (the others unset)
 
 
 def paths_here(flags: set[str]) -> list[str]:

@@ -63,8 +63,8 @@ POISONED_PREFILL = functools.partial(run_poisoned, paged_prefill_attention_nativ
 @pytest.fixture(params=["default_tiles", "avx2_tiles", "vector_tiles"])
 def attention_tiles(request, monkeypatch):
     """Each attention path: the CPU's own (on AVX-512 the GEMM prefill tiles, head_dim a multiple of 16:
-    every one here but 52 and 80, and the decode tiles, a multiple of 32; on AVX2 the decode tiles, a
-    multiple of 8: all but 52), AVX2's decode tiles on an AVX-512 CPU too, and the vector-at-a-time tiles
+    every one here but 52 and 80, and the decode tiles, a multiple of 32; on AVX2 the prefill and decode
+    tiles, a multiple of 8: all but 52), AVX2's tiles on an AVX-512 CPU too, and the vector-at-a-time tiles
     every other case runs."""
     if request.param == "avx2_tiles":
         monkeypatch.setenv("FERRY_NATIVE_NO_AVX512", "1")
@@ -337,28 +337,23 @@ def test_pack_stacked_round_trips(seed, dtype):
         assert int((packed != 0).sum()) == w.size
 
 
-# The matmul's paths, each forced by its environment (read on every call): the default (AVX-512 where the
-# CPU has it), AVX2 (where it has AVX2 and FMA, else the portable loops), bf16 x widened (no AVX512-BF16
-# dot products), the portable loops.
-MATMUL_PATH_ENV = {"avx512_if_present": {}, "avx2_if_present": {"FERRY_NATIVE_NO_AVX512": "1"},
-                   "widened": {"FERRY_NATIVE_MATMUL_NO_BF16_DOT": "1"},
-                   "portable": {"FERRY_NATIVE_MATMUL_GENERIC": "1"}}
-
-
 def take_matmul_path(path, monkeypatch):
-    for name in {name for env in MATMUL_PATH_ENV.values() for name in env}:
+    """native.MATMUL_PATH_SWITCHES[path] set, the other switches unset (AVX2 where the CPU has no AVX2 and
+    FMA: the portable loops)."""
+    switches = native.MATMUL_PATH_SWITCHES
+    for name in {name for env in switches.values() for name in env}:
         monkeypatch.delenv(name, raising=False)
-    for name, value in MATMUL_PATH_ENV[path].items():
+    for name, value in switches[path].items():
         monkeypatch.setenv(name, value)
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,path", [
-    (jnp.float32, jnp.float32, "avx512_if_present"), (jnp.float32, jnp.float32, "avx2_if_present"),
+    (jnp.float32, jnp.float32, "default"), (jnp.float32, jnp.float32, "avx2"),
     (jnp.float32, jnp.float32, "portable"),
-    (jnp.float32, jnp.bfloat16, "avx512_if_present"), (jnp.float32, jnp.bfloat16, "avx2_if_present"),
+    (jnp.float32, jnp.bfloat16, "default"), (jnp.float32, jnp.bfloat16, "avx2"),
     (jnp.float32, jnp.bfloat16, "portable"),
-    (jnp.bfloat16, jnp.bfloat16, "avx512_if_present"),  # the bf16 dot instruction where the CPU has it
-    (jnp.bfloat16, jnp.bfloat16, "widened"), (jnp.bfloat16, jnp.bfloat16, "avx2_if_present"),
+    (jnp.bfloat16, jnp.bfloat16, "default"),  # the bf16 dot instruction where the CPU has it
+    (jnp.bfloat16, jnp.bfloat16, "widened"), (jnp.bfloat16, jnp.bfloat16, "avx2"),
     (jnp.bfloat16, jnp.bfloat16, "portable")],
     ids=["f32", "f32-avx2", "f32-portable", "bf16w", "bf16w-avx2", "bf16w-portable", "bf16", "bf16-widened",
          "bf16-avx2", "bf16-portable"])
@@ -405,10 +400,10 @@ def test_stacked_matmul_matches_dot(seed, x_dtype, w_dtype, path, monkeypatch):
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,path", [
-    (jnp.float32, jnp.float32, "avx512_if_present"), (jnp.float32, jnp.float32, "avx2_if_present"),
-    (jnp.float32, jnp.float32, "portable"), (jnp.float32, jnp.bfloat16, "avx512_if_present"),
-    (jnp.bfloat16, jnp.bfloat16, "avx512_if_present"), (jnp.bfloat16, jnp.bfloat16, "widened"),
-    (jnp.bfloat16, jnp.bfloat16, "avx2_if_present"), (jnp.bfloat16, jnp.bfloat16, "portable")],
+    (jnp.float32, jnp.float32, "default"), (jnp.float32, jnp.float32, "avx2"),
+    (jnp.float32, jnp.float32, "portable"), (jnp.float32, jnp.bfloat16, "default"),
+    (jnp.bfloat16, jnp.bfloat16, "default"), (jnp.bfloat16, jnp.bfloat16, "widened"),
+    (jnp.bfloat16, jnp.bfloat16, "avx2"), (jnp.bfloat16, jnp.bfloat16, "portable")],
     ids=["f32", "f32-avx2", "f32-portable", "bf16w", "bf16", "bf16-widened", "bf16-avx2", "bf16-portable"])
 @pytest.mark.parametrize("act", native.GATED_ACTIVATIONS)
 def test_gated_stacked_matmul_matches_its_parts(seed, x_dtype, w_dtype, path, act, monkeypatch):
@@ -462,7 +457,7 @@ def test_stacked_matmul_paths_agree_bit_for_bit(seed, w_dtype, monkeypatch):
         packed = native.pack_stacked(w, groups)
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         outs = {}
-        for path in ("avx512_if_present", "avx2_if_present", "portable"):
+        for path in ("default", "avx2", "portable"):
             take_matmul_path(path, monkeypatch)
             outs[path] = np.asarray(native.stacked_matmul(x, packed, 1, n=n, groups=groups))
         for path, out in outs.items():
@@ -511,15 +506,14 @@ def test_stacked_matmul_rejects_bad_inputs():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
-@pytest.mark.parametrize("path", ["avx512_if_present", "portable"])
+@pytest.mark.parametrize("path", ["default", "portable"])
 def test_rms_norm_matches_the_model_norm(seed, dtype, offset, path, monkeypatch):
     """native.rms_norm against the model's jnp RMSNorm: rows of a decode batch and of a prefill chunk
     (threads split those), an odd width, with and without the residual add (its branch float32 sums or the
     model's dtype). The sum is exactly x + delta.astype(dtype); the norm within a few float32 ulp (another
     summation order and rsqrt), bf16 rarely apart where that moves a rounding. Every element written."""
     from models.transformer import RMSNorm
-    if path == "portable":
-        monkeypatch.setenv("FERRY_NATIVE_MATMUL_GENERIC", "1")
+    take_matmul_path(path, monkeypatch)
     rng = np.random.default_rng(seed)
     moved = np.zeros(2, np.int64)  # bf16 outputs that differ, outputs
     for m, k in [(1, 64), (5, 33), (70, 512), (300, 256)]:
