@@ -423,6 +423,12 @@ def test_gated_stacked_matmul_matches_its_parts(seed, x_dtype, w_dtype, path, ac
         matmul = functools.partial(native.stacked_matmul, n=2 * half, groups=2)
         out = run_poisoned(lambda _, x, w: matmul(x, w, 1, gated=act, dtype=dtype), poison, x, packed)
         ref = native.gated_activation(matmul(x, packed, 1), dtype, act)
+        # k blocks of 16: the gate's and up's sums carried in the row group's scratch over tile calls
+        monkeypatch.setenv("FERRY_NATIVE_MATMUL_K_BLOCK", "16")
+        blocked = matmul(x, packed, 1, gated=act, dtype=dtype)
+        monkeypatch.delenv("FERRY_NATIVE_MATMUL_K_BLOCK")
+        np.testing.assert_array_equal(np.asarray(blocked.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)),
+                                      err_msg=f"M,K,I={m, k, half}: k blocks of 16")
         real = m // 2  # rows: the first ones computed alike, the rest unwritten
         part = run_poisoned(lambda _, x, w: matmul(x, w, 1, gated=act, dtype=dtype, rows=real), poison, x, packed)
         np.testing.assert_array_equal(np.asarray(part[:real].astype(jnp.float32)),
@@ -450,18 +456,26 @@ def test_stacked_matmul_paths_agree_bit_for_bit(seed, w_dtype, monkeypatch):
     if not {"avx2", "fma"} <= native.cpu_flags():
         pytest.skip("the CPU lacks AVX2/FMA (or /proc/cpuinfo): the portable loops take no FMA clone")
     rng = np.random.default_rng(seed)
-    # every tile height (rows 1-6: 1 and 2 take wider strips on AVX2), panel tails, odd K
+    # every tile height (rows 1-6: 1 and 2 take wider strips on AVX2; 10, 64, 70: blocks of 5), panel tails,
+    # odd K, K past the AVX2 tiles' k block (512) under many row blocks, row groups of 48 and their tails
     for m, k, n, groups in [(1, 37, 1050, 1), (2, 70, 300, 1), (9, 65, 130, 2), (13, 129, 200, 2), (70, 64, 520, 2),
-                            (7, 512, 64, 1), (5, 33, 100, 1)]:
+                            (7, 512, 64, 1), (5, 33, 100, 1), (64, 1101, 130, 1), (10, 600, 70, 2)]:
         w = jnp.asarray(rng.standard_normal((2, k, n)), w_dtype)
         packed = native.pack_stacked(w, groups)
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         outs = {}
-        for path in ("default", "avx2", "portable"):
+        # k blocks of 32 (FERRY_NATIVE_MATMUL_K_BLOCK): a column's sum carried over many tile calls
+        for path, k_block in [("default", None), ("default", "32"), ("avx2", None), ("avx2", "32"),
+                              ("portable", None)]:
             take_matmul_path(path, monkeypatch)
-            outs[path] = np.asarray(native.stacked_matmul(x, packed, 1, n=n, groups=groups))
-        for path, out in outs.items():
-            np.testing.assert_array_equal(out, outs["portable"], err_msg=f"{path} M,K,N={m, k, n}")
+            if k_block is None:
+                monkeypatch.delenv("FERRY_NATIVE_MATMUL_K_BLOCK", raising=False)
+            else:
+                monkeypatch.setenv("FERRY_NATIVE_MATMUL_K_BLOCK", k_block)
+            outs[path, k_block] = np.asarray(native.stacked_matmul(x, packed, 1, n=n, groups=groups))
+        for (path, k_block), out in outs.items():
+            np.testing.assert_array_equal(out, outs["portable", None],
+                                          err_msg=f"{path} k_block={k_block} M,K,N={m, k, n}")
 
 
 def test_gated_bf16_rounding_by_the_cpus_conversion_is_the_integer_rounding(seed, monkeypatch):

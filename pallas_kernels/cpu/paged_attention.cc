@@ -283,7 +283,7 @@ struct Scratch {
   std::vector<float> q, acc, m, l, s, k, v;
   std::vector<int64_t> nk;
   std::vector<int32_t> lane_keys;  // PrefillTileAvx512: keys each query vector sees
-  const Tile* next_tile = nullptr;  // DecodeTileAvx512: the tile whose first pages to prefetch (TileWork)
+  const Tile* next_tile = nullptr;  // the decode GEMM tiles: the tile whose first pages to prefetch (TileWork)
   void Reserve(int64_t rows, int64_t vecs, int64_t bs, int64_t d) {
     auto grow = [](auto& vec, int64_t n) {
       if (static_cast<int64_t>(vec.size()) < n) vec.resize(n);
@@ -374,6 +374,19 @@ FERRY_INLINE int64_t TileKeys(const Geometry& g, const Tile& t) {
   return std::clamp<int64_t>(t.first_pos + t.nrows, 0, g.num_blocks > 0 ? g.table_width * g.block_size : 0);
 }
 
+// A page's K and V lines asked for `per_call` at a time (Next).
+struct PageStream {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t lines = 0, per_call = 0;
+  FERRY_INLINE void Next() {
+    for (int64_t i = 0; i < per_call && lines > 0; ++i, --lines, k += 64, v += 64) {
+      PrefetchLine(k);
+      PrefetchLine(v);
+    }
+  }
+};
+
 // A tile's walk over its sequence's pages: page j's element offset at (row 0, head0, 0), block ids clamped
 // into the pool, and the prefetch of page j + kPrefetchPages's rows (`row_elems` from head0) while page j
 // is used.
@@ -394,6 +407,21 @@ struct TilePages {
     const int64_t ahead = j + kPrefetchPages, rows = std::min(g.block_size, keys - ahead * g.block_size);
     Prefetch(k + Offset(ahead), rows, g.num_kv_heads * g.head_dim, row_elems);
     Prefetch(v + Offset(ahead), rows, g.num_kv_heads * g.head_dim, row_elems);
+  }
+  // Page j's K and V lines (none past the last page), a few at each of `calls` Next()s spread over the
+  // work before it, where the tile's heads are all of them (a page's rows one run); otherwise at once.
+  template <typename T>
+  PageStream Stream(const T* k, const T* v, int64_t j, int64_t row_elems, int64_t calls) const {
+    if (kPrefetchPages <= 0 || j >= count) return PageStream{};
+    const int64_t rows = std::min(g.block_size, keys - j * g.block_size);
+    if (row_elems != g.num_kv_heads * g.head_dim) {
+      Prefetch(k + Offset(j), rows, g.num_kv_heads * g.head_dim, row_elems);
+      Prefetch(v + Offset(j), rows, g.num_kv_heads * g.head_dim, row_elems);
+      return PageStream{};
+    }
+    const int64_t lines = (rows * row_elems * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    return PageStream{reinterpret_cast<const char*>(k + Offset(j)), reinterpret_cast<const char*>(v + Offset(j)),
+                      lines, (lines + calls - 1) / calls};
   }
   // The first kPrefetchPages pages, which no PrefetchAhead of this tile asks for.
   template <typename T>
@@ -611,7 +639,7 @@ void ParallelFor(ffi::ThreadPool* pool, int64_t count, int64_t helpers, const vo
 
 // In decode, each thread starting a tile asks for the first pages of the tile `lookahead` items on (about
 // the next one it takes, items being handed out in order): a tile's own prefetch only covers its later
-// pages. DecodeTileAvx512 does it itself, spread over its last chunks (Scratch::next_tile); the vector
+// pages. The decode GEMM tiles do it themselves, spread over their last chunks (Scratch::next_tile); the vector
 // tiles get them at once here. Not in prefill (lookahead 0), where a sequence's pages serve several
 // tiles: there it cost 10-15% of a 4 x 128-token chunk's attention.
 template <typename P>
@@ -624,7 +652,7 @@ struct TileWork {
     const std::vector<Tile>& tiles = *w->tiles;
     const Tile* next = w->lookahead > 0 && i + w->lookahead < static_cast<int64_t>(tiles.size())
                            ? &tiles[i + w->lookahead] : nullptr;
-    const bool spreads = w->problem->tiles == TileKind::kDecodeAvx512;
+    const bool spreads = w->problem->tiles == TileKind::kDecodeAvx512 || w->problem->tiles == TileKind::kDecodeAvx2;
     Scratch& sc = ThreadScratch();
     sc.next_tile = spreads ? next : nullptr;
     if (next != nullptr && !spreads) {
@@ -918,6 +946,7 @@ struct Matmul {
   // Not gated: y's sums rounded to bfloat16's precision, kept float32 (a bf16 LM head's logits as the
   // sampler reads them, without a bf16 array between; see RoundedToBf16).
   bool round_bf16 = false;
+  int64_t k_block = 0;  // the tiles' k block (PanelTiles::k_block, or FERRY_NATIVE_MATMUL_K_BLOCK's)
   int64_t PanelElems() const { return w_bf16 ? (k + 1) / 2 * 2 * kPanelCols : k * kPanelCols; }
   const void* Panel(int64_t p) const {
     return static_cast<const char*>(w) + p * PanelElems() * (w_bf16 ? 2 : 4);
@@ -1139,13 +1168,25 @@ struct PanelAhead {
 };
 static_assert(sizeof(PanelAhead) == 16);
 
+// The k steps [k0, k1) of a panel one tile call sums (k0 even where the panel holds bf16 pairs): from zero
+// where k0 == 0, else on from the sums a call over [.., k0) left in y, so each column still sums over k in
+// order; rounded (round_bf16) once k1 == K.
+struct TileSpan {
+  int64_t k0, k1;
+};
+
 // A panel tile: rows r0.. (MR of them) x one panel's 64 columns, register-blocked (MR * 4 accumulators,
 // 4 weight vectors and a broadcast <= 32 zmm); the first `cols` sums of each row go to y (rows ldy apart).
 using PanelTileFn = void (*)(const Matmul&, const void* panel, int64_t r0, int64_t cols, float* y, int64_t ldy,
-                             PanelAhead ahead);
+                             TileSpan span, PanelAhead ahead);
+
+#define FERRY_START_TILE(acc)                                                               \
+  FERRY_UNROLL for (int r = 0; r < MR; ++r)                                                 \
+    FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = span.k0 == 0 || 16 * v >= cols     \
+        ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(LeadingLanes(cols - 16 * v), y + r * ldy + 16 * v)
 
 #define FERRY_STORE_TILE(acc)                                                       \
-  if (p.round_bf16)                                                                 \
+  if (p.round_bf16 && span.k1 == p.k)                                               \
     FERRY_UNROLL for (int r = 0; r < MR; ++r)                                       \
       FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = RoundedToBf16x16(acc[r][v]); \
   FERRY_UNROLL for (int r = 0; r < MR; ++r, y += ldy)                               \
@@ -1164,13 +1205,12 @@ FERRY_AVX512 FERRY_INLINE void FmaRows(__m512 (&acc)[MR][4], const float* x, int
 // float32 panel, float32 x: per k, 4 loads of the panel's row and MR broadcasts of x.
 template <int MR>
 FERRY_AVX512 void PanelTileF32(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
-                               int64_t ldy, PanelAhead ahead) {
+                               int64_t ldy, TileSpan span, PanelAhead ahead) {
   __m512 acc[MR][4];
-  FERRY_UNROLL for (int r = 0; r < MR; ++r)
-    FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
-  const float* w = static_cast<const float*>(panel);
+  FERRY_START_TILE(acc);
+  const float* w = static_cast<const float*>(panel) + span.k0 * kPanelCols;
   const float* x = p.x + r0 * p.k;
-  for (int64_t k = 0; k < p.k; ++k, w += kPanelCols) {
+  for (int64_t k = span.k0; k < span.k1; ++k, w += kPanelCols) {
     ahead.Next();
     __m512 b[4];
     FERRY_UNROLL for (int v = 0; v < 4; ++v) b[v] = _mm512_loadu_ps(w + 16 * v);
@@ -1184,14 +1224,13 @@ FERRY_AVX512 void PanelTileF32(const Matmul& p, const void* panel, int64_t r0, i
 // the float32 tile's bits for float32 weights of the same values.
 template <int MR>
 FERRY_AVX512 void PanelTileWidened(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
-                                   int64_t ldy, PanelAhead ahead) {
+                                   int64_t ldy, TileSpan span, PanelAhead ahead) {
   __m512 acc[MR][4];
-  FERRY_UNROLL for (int r = 0; r < MR; ++r)
-    FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
-  const uint32_t* w = static_cast<const uint32_t*>(panel);
+  FERRY_START_TILE(acc);
+  const uint32_t* w = static_cast<const uint32_t*>(panel) + span.k0 / 2 * kPanelCols;
   const float* x = p.x + r0 * p.k;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t k = 0; k < p.k; k += 2, w += kPanelCols) {
+  for (int64_t k = span.k0; k < span.k1; k += 2, w += kPanelCols) {
     ahead.Next();
     __m512 b[4];
     FERRY_UNROLL for (int v = 0; v < 4; ++v)
@@ -1215,15 +1254,14 @@ FERRY_INLINE uint32_t XPair(const uint16_t* x_row, int64_t k, int64_t k_rows) { 
 // (x[2 k2], x[2 k2 + 1]) broadcast.
 template <int MR>
 FERRY_AVX512_BF16 void PanelTileDpbf16(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
-                                       int64_t ldy, PanelAhead ahead) {
+                                       int64_t ldy, TileSpan span, PanelAhead ahead) {
   __m512 acc[MR][4];
-  FERRY_UNROLL for (int r = 0; r < MR; ++r)
-    FERRY_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
-  const uint32_t* w = static_cast<const uint32_t*>(panel);
+  FERRY_START_TILE(acc);
+  const uint32_t* w = static_cast<const uint32_t*>(panel) + span.k0 / 2 * kPanelCols;
   const uint16_t* x = p.x16 + r0 * p.k;
   // A pair of x is the 32-bit word at x + k: broadcast from memory (an odd K's last pair is built).
   const int64_t even = p.k & ~int64_t{1};
-  for (int64_t k = 0; k < p.k; k += 2, w += kPanelCols) {
+  for (int64_t k = span.k0; k < span.k1; k += 2, w += kPanelCols) {
     ahead.Next();
     __m512i b[4];
     FERRY_UNROLL for (int v = 0; v < 4; ++v) b[v] = _mm512_loadu_si512(w + 16 * v);
@@ -1239,6 +1277,7 @@ FERRY_AVX512_BF16 void PanelTileDpbf16(const Matmul& p, const void* panel, int64
   FERRY_STORE_TILE(acc);
 }
 
+#undef FERRY_START_TILE
 #undef FERRY_STORE_TILE
 
 // [kind][rows - 1]: kind 0 float32, 1 widened bfloat16, 2 bf16 dot products.
@@ -1327,15 +1366,29 @@ FERRY_AVX2 FERRY_INLINE void FmaRows8(__m256 (&acc)[MR][kV], const float* const 
   }
 }
 
-// Strip s's sums (columns 8 kV s.. of the panel; `cols` of the panel's present) into y.
+// Strip s's sums so far (columns 8 kV s.. of the panel; `cols` of the panel's present): zero at k0 == 0,
+// else what the call over the k steps before left in y.
+template <int MR, int kV>
+FERRY_AVX2 FERRY_INLINE void StartStrip8(__m256 (&acc)[MR][kV], int64_t s, int64_t cols, const float* y, int64_t ldy,
+                                         bool from_zero) {
+  FERRY_UNROLL for (int r = 0; r < MR; ++r) {
+    FERRY_UNROLL for (int v = 0; v < kV; ++v) {
+      const int64_t c = 8 * kV * s + 8 * v;
+      acc[r][v] = from_zero || c >= cols ? _mm256_setzero_ps()
+                                         : _mm256_maskload_ps(y + r * ldy + c, LeadingLanes8(cols - c));
+    }
+  }
+}
+
+// Strip s's sums into y, rounded (round_bf16) where `last`.
 template <int MR, int kV>
 FERRY_AVX2 FERRY_INLINE void StoreStrip8(const Matmul& p, __m256 (&acc)[MR][kV], int64_t s, int64_t cols, float* y,
-                                         int64_t ldy) {
+                                         int64_t ldy, bool last) {
   FERRY_UNROLL for (int r = 0; r < MR; ++r) {
     FERRY_UNROLL for (int v = 0; v < kV; ++v) {
       const int64_t c = 8 * kV * s + 8 * v;
       if (c >= cols) continue;
-      const __m256 out = p.round_bf16 ? RoundedToBf16x8(acc[r][v]) : acc[r][v];
+      const __m256 out = p.round_bf16 && last ? RoundedToBf16x8(acc[r][v]) : acc[r][v];
       if (c + 8 <= cols) _mm256_storeu_ps(y + r * ldy + c, out);
       else _mm256_maskstore_ps(y + r * ldy + c, LeadingLanes8(cols - c), out);
     }
@@ -1345,42 +1398,40 @@ FERRY_AVX2 FERRY_INLINE void StoreStrip8(const Matmul& p, __m256 (&acc)[MR][kV],
 // float32 panel, float32 x.
 template <int MR>
 FERRY_AVX2 void PanelTileF32Avx2(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
-                                 int64_t ldy, PanelAhead ahead) {
+                                 int64_t ldy, TileSpan span, PanelAhead ahead) {
   constexpr int kV = StripVectors(MR);
   const float* x_rows[MR];
   FERRY_UNROLL for (int r = 0; r < MR; ++r) x_rows[r] = p.x + (r0 + r) * p.k;
   for (int64_t s = 0; 8 * kV * s < cols; ++s) {
     __m256 acc[MR][kV];
-    FERRY_UNROLL for (int r = 0; r < MR; ++r)
-      FERRY_UNROLL for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_ps();
-    const float* w = static_cast<const float*>(panel) + 8 * kV * s;
-    for (int64_t k = 0; k < p.k; ++k, w += kPanelCols) {
+    StartStrip8<MR, kV>(acc, s, cols, y, ldy, span.k0 == 0);
+    const float* w = static_cast<const float*>(panel) + span.k0 * kPanelCols + 8 * kV * s;
+    for (int64_t k = span.k0; k < span.k1; ++k, w += kPanelCols) {
       ahead.Next();
       FmaRows8<MR, kV>(acc, x_rows, k, F32Weights{w});
     }
-    StoreStrip8<MR, kV>(p, acc, s, cols, y, ldy);
+    StoreStrip8<MR, kV>(p, acc, s, cols, y, ldy, span.k1 == p.k);
   }
 }
 
 // bfloat16 panel, float32 x (bf16 x widened): each lane's pair widened exactly, row 2 k2 then 2 k2 + 1.
 template <int MR>
 FERRY_AVX2 void PanelTileWidenedAvx2(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
-                                     int64_t ldy, PanelAhead ahead) {
+                                     int64_t ldy, TileSpan span, PanelAhead ahead) {
   constexpr int kV = StripVectors(MR);
   const float* x_rows[MR];
   FERRY_UNROLL for (int r = 0; r < MR; ++r) x_rows[r] = p.x + (r0 + r) * p.k;
   for (int64_t s = 0; 8 * kV * s < cols; ++s) {
     __m256 acc[MR][kV];
-    FERRY_UNROLL for (int r = 0; r < MR; ++r)
-      FERRY_UNROLL for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_ps();
-    const uint32_t* w = static_cast<const uint32_t*>(panel) + 8 * kV * s;
-    for (int64_t k = 0; k < p.k; k += 2, w += kPanelCols) {
+    StartStrip8<MR, kV>(acc, s, cols, y, ldy, span.k0 == 0);
+    const uint32_t* w = static_cast<const uint32_t*>(panel) + span.k0 / 2 * kPanelCols + 8 * kV * s;
+    for (int64_t k = span.k0; k < span.k1; k += 2, w += kPanelCols) {
       ahead.Next();
       FmaRows8<MR, kV>(acc, x_rows, k, Bf16Weights<false>{w});
       if (k + 1 == p.k) break;
       FmaRows8<MR, kV>(acc, x_rows, k + 1, Bf16Weights<true>{w});
     }
-    StoreStrip8<MR, kV>(p, acc, s, cols, y, ldy);
+    StoreStrip8<MR, kV>(p, acc, s, cols, y, ldy, span.k1 == p.k);
   }
 }
 
@@ -1468,44 +1519,99 @@ struct PanelTiles {
   // head at 1 row 2.2 against 2.7-2.9 ms, a gated [512, 4096] 0.31 against 0.35-0.37; from 4 rows it
   // pays: the head 3.2 against 4.8 ms).
   int64_t ahead_from_rows;
+  int64_t k_block;  // k steps each row block sums before the next block of k (SumPanel); 0: all of K
 };
-constexpr PanelTiles kAvx512Tiles[3] = {{kPanelTiles[0], {1, 1, 1, 1, 1, 1}, &GatedRowsAvx512, 1},
-                                        {kPanelTiles[1], {1, 1, 1, 1, 1, 1}, &GatedRowsAvx512, 1},
-                                        {kPanelTiles[2], {1, 1, 1, 1, 1, 1}, &GatedRowsAvx512, 1}};
+constexpr PanelTiles kAvx512Tiles[3] = {{kPanelTiles[0], {1, 1, 1, 1, 1, 1}, &GatedRowsAvx512, 1, 0},
+                                        {kPanelTiles[1], {1, 1, 1, 1, 1, 1}, &GatedRowsAvx512, 1, 0},
+                                        {kPanelTiles[2], {1, 1, 1, 1, 1, 1}, &GatedRowsAvx512, 1, 0}};
 #define FERRY_AVX2_STRIPS {StripsOf(1), StripsOf(2), StripsOf(3), StripsOf(4), StripsOf(5), StripsOf(6)}
-constexpr PanelTiles kAvx2Tiles[2] = {{kPanelTilesAvx2[0], FERRY_AVX2_STRIPS, &GatedRowsAvx2, 3},
-                                      {kPanelTilesAvx2[1], FERRY_AVX2_STRIPS, &GatedRowsAvx2, 3}};
+constexpr PanelTiles kAvx2Tiles[2] = {{kPanelTilesAvx2[0], FERRY_AVX2_STRIPS, &GatedRowsAvx2, 3, 512},
+                                      {kPanelTilesAvx2[1], FERRY_AVX2_STRIPS, &GatedRowsAvx2, 3, 512}};
 #undef FERRY_AVX2_STRIPS
 
-// Work item `item`: panel `item` over every row into y; gated, the gate's panel `item` and the
-// up's (Pg later), their sums in L1 scratch, act(gate) * up into the result's columns 64 * item...
-// Items go out in order, so this thread's next is about `lookahead` on: each row block's tiles ask for an
-// equal share of its panels, spread evenly over their k steps. (All of it in the first two row blocks came
-// in bursts that held up the tiles' own loads: a model-b decode step's linears at 64 rows, float32, 15.2 ->
-// 14.5 ms, 32 rows 8.9 -> 8.2; model b's throughput run +3-7% float32, +4% bf16; notes, session 18.)
-void MatmulItemTiled(const Matmul& p, const PanelTiles& tiles, int64_t item, int64_t items, int64_t lookahead) {
-  const int64_t c0 = p.PanelCol(item), cols = p.PanelWidth(item);
-  const int64_t next = item + lookahead, panel_bytes = p.PanelElems() * (p.w_bf16 ? 2 : 4);
-  const int64_t row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
-  const int64_t share = ((panel_bytes + 63) / 64 + row_blocks - 1) / row_blocks;  // lines a row block asks for
-  auto ahead = [&](int64_t panel, int64_t row_block, int64_t rows) {  // row block's share of `panel`'s lines
-    const int64_t first = row_block * share, lines = std::min(share, (panel_bytes + 63) / 64 - first);
-    if (next >= items || lines <= 0 || p.m < tiles.ahead_from_rows) return PanelAhead{};
-    const int64_t k_steps = (p.w_bf16 ? (p.k + 1) / 2 : p.k) * tiles.strips[rows - 1];
-    const auto rate = static_cast<int16_t>(std::min<int64_t>(4 * 256, (share * 256 + k_steps - 1) / k_steps));
-    return PanelAhead{static_cast<const char*>(p.Panel(panel)) + first * 64, static_cast<int32_t>(lines), rate};
-  };
-  for (int64_t r0 = 0, rb = 0; r0 < p.m; r0 += kRowBlock, ++rb) {
-    const int64_t rows = std::min<int64_t>(kRowBlock, p.m - r0);
-    const PanelTileFn tile = tiles.by_rows[rows - 1];
-    if (p.act < 0) {
-      tile(p, p.Panel(item), r0, cols, p.y + r0 * p.n + c0, p.n, ahead(next, rb, rows));
-    } else {
-      float sums[2][kRowBlock * kPanelCols];
-      tile(p, p.Panel(item), r0, cols, sums[0], kPanelCols, ahead(next, rb, rows));
-      tile(p, p.Panel(p.part_panels + item), r0, cols, sums[1], kPanelCols, ahead(p.part_panels + next, rb, rows));
-      tiles.gated_rows(p, sums[0], sums[1], kPanelCols, r0, rows, c0, cols);
+// Rows an item takes at a time: a gated item's sums for them, 2 x 48 x 64 floats (24 KB), sit on the stack.
+constexpr int64_t kGroupRows = 8 * kRowBlock;
+
+// Hands an item's tile calls the next item's panel (null: none) in shares proportional to their k steps,
+// spread evenly over those steps. (All of it in the first two row blocks came in bursts that held up the
+// tiles' own loads: a model-b decode step's linears at 64 rows, float32, 15.2 -> 14.5 ms, 32 rows 8.9 ->
+// 8.2; model b's throughput run +3-7% float32, +4% bf16; notes, session 18.)
+struct AheadPlan {
+  const char* panel = nullptr;
+  int64_t lines = 0, steps = 1, done = 0;  // the panel's lines, the item's k steps over a panel, handed out
+  PanelAhead For(int64_t call_steps) {
+    const int64_t from = done * lines / steps;
+    done += call_steps;
+    const int64_t to = done * lines / steps;
+    if (panel == nullptr || to <= from) return PanelAhead{};
+    const auto rate =
+        static_cast<int16_t>(std::min<int64_t>(4 * 256, ((to - from) * 256 + call_steps - 1) / call_steps));
+    return PanelAhead{panel + from * 64, static_cast<int32_t>(to - from), rate};
+  }
+};
+
+// A row group's blocks: blocks of 5 rows first where they make the rest a multiple of 6 (64 rows: 2 x 5 +
+// 9 x 6, not 10 x 6 + 4), then blocks of 6, the last of the rows left. A 5-row AVX2 tile's 10 accumulators
+// keep both FMA units busy (latency 5 cycles on Zen 2); a 4-row tile's 8 do not.
+struct RowBlocks {
+  int64_t rows, fives;
+  explicit RowBlocks(int64_t rows) : rows(rows), fives(FivesFor(rows)) {}
+  static int64_t FivesFor(int64_t rows) {
+    const int64_t fives = (kRowBlock - rows % kRowBlock) % kRowBlock;
+    return fives * (kRowBlock - 1) <= rows ? fives : 0;
+  }
+  int64_t Height(int64_t b0) const {  // of the block at row b0 of the group
+    return b0 < (kRowBlock - 1) * fives ? kRowBlock - 1 : std::min<int64_t>(kRowBlock, rows - b0);
+  }
+};
+
+// Rows [r0, r0 + rows) x one panel, their sums into y (row r0 at y, rows ldy apart): each row block's
+// tile over the panel's k steps p.k_block at a time, every row block taking a block of k steps before the
+// next, so the panel's block stays in L2 while the rows take it (a K = 2048 float32 panel is 512 KB, all of
+// Zen 2's L2; a row block's x stays in L1 across its strips either way).
+void SumPanel(const Matmul& p, const PanelTiles& tiles, const void* panel, int64_t r0, int64_t rows, int64_t cols,
+              float* y, int64_t ldy, AheadPlan& ahead) {
+  const RowBlocks blocks(rows);
+  const int64_t kc = rows > kRowBlock && p.k_block > 0 ? p.k_block : p.k, k_per_step = p.w_bf16 ? 2 : 1;
+  for (int64_t k0 = 0; k0 < p.k; k0 += kc) {
+    const TileSpan span{k0, std::min(p.k, k0 + kc)};
+    for (int64_t b0 = 0; b0 < rows; b0 += blocks.Height(b0)) {
+      const int64_t height = blocks.Height(b0), strips = tiles.strips[height - 1];
+      const PanelAhead asked = ahead.For((span.k1 - span.k0 + k_per_step - 1) / k_per_step * strips);
+      tiles.by_rows[height - 1](p, panel, r0 + b0, cols, y + b0 * ldy, ldy, span, asked);
     }
+  }
+}
+
+// Work item `item`: panel `item` over every row into y; gated, the gate's panel `item` and the up's (Pg
+// later), their sums in scratch a row group at a time, act(gate) * up into the result's columns 64 * item..
+// Items go out in order, so this thread's next is about `lookahead` on: its panels are asked for meanwhile.
+void MatmulItemTiled(const Matmul& p, const PanelTiles& tiles, int64_t item, int64_t items, int64_t lookahead) {
+  const int64_t c0 = p.PanelCol(item), cols = p.PanelWidth(item), next = item + lookahead;
+  int64_t steps = 0;  // k steps of the item's tile calls over one panel: each row block's strips
+  for (int64_t r0 = 0; r0 < p.m; r0 += kGroupRows) {
+    const RowBlocks blocks(std::min(kGroupRows, p.m - r0));
+    for (int64_t b0 = 0; b0 < blocks.rows; b0 += blocks.Height(b0)) steps += tiles.strips[blocks.Height(b0) - 1];
+  }
+  steps *= p.w_bf16 ? (p.k + 1) / 2 : p.k;
+  const int64_t lines = (p.PanelElems() * (p.w_bf16 ? 2 : 4) + 63) / 64;
+  const bool ask = next < items && p.m >= tiles.ahead_from_rows;
+  auto plan = [&](int64_t panel) {
+    return AheadPlan{ask ? static_cast<const char*>(p.Panel(panel)) : nullptr, lines, steps};
+  };
+  if (p.act < 0) {
+    AheadPlan ahead = plan(next);
+    for (int64_t r0 = 0; r0 < p.m; r0 += kGroupRows)
+      SumPanel(p, tiles, p.Panel(item), r0, std::min(kGroupRows, p.m - r0), cols, p.y + r0 * p.n + c0, p.n, ahead);
+    return;
+  }
+  AheadPlan gate_ahead = plan(next), up_ahead = plan(p.part_panels + next);
+  for (int64_t r0 = 0; r0 < p.m; r0 += kGroupRows) {
+    const int64_t rows = std::min(kGroupRows, p.m - r0);
+    float sums[2][kGroupRows * kPanelCols];
+    SumPanel(p, tiles, p.Panel(item), r0, rows, cols, sums[0], kPanelCols, gate_ahead);
+    SumPanel(p, tiles, p.Panel(p.part_panels + item), r0, rows, cols, sums[1], kPanelCols, up_ahead);
+    tiles.gated_rows(p, sums[0], sums[1], kPanelCols, r0, rows, c0, cols);
   }
 }
 
@@ -1521,6 +1627,14 @@ bool UseAvx512Matmul() {
   if (EnvIsOne("FERRY_NATIVE_MATMUL_GENERIC") || EnvIsOne("FERRY_NATIVE_NO_AVX512")) return false;
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl");
+}
+
+// FERRY_NATIVE_MATMUL_K_BLOCK=n (tests, benchmarks) sets the tiles' k block (even, >= 2; 0: all of K).
+int64_t KBlockFor(const PanelTiles& tiles) {
+  const char* env = std::getenv("FERRY_NATIVE_MATMUL_K_BLOCK");
+  if (env == nullptr || *env == '\0') return tiles.k_block;
+  const int64_t k_block = std::atoll(env);
+  return k_block <= 0 ? 0 : std::max<int64_t>(2, k_block / 2 * 2);
 }
 
 bool UseAvx2Matmul() {
@@ -1643,9 +1757,19 @@ FERRY_AVX2 void DecodeTileAvx2Of(const Problem<TQ, TKV>& p, const Tile& tile, Sc
   const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   const TilePages pages(p.tables, g, tile, keys);
+  const Tile* next_tile = sc.next_tile;  // TileWork: the tile this thread likely takes next
+  const TilePages next_pages(p.tables, g, next_tile != nullptr ? *next_tile : tile,
+                             next_tile != nullptr ? TileKeys(g, *next_tile) : 0);
+  const int64_t next_heads = next_tile != nullptr ? next_tile->nheads : NH;
   for (int64_t j = 0; j < pages.count; ++j) {
     const int64_t n = std::min(BS, keys - j * BS), offset = pages.Offset(j);
-    pages.PrefetchAhead(p.k, p.v, j, NH * D);
+    // The next page (the last page: the next tile's first), a Next() at each 4 keys' dot products of each
+    // pair of query vectors. All of a float32 page's 512 lines at once (PrefetchAhead, 2 pages ahead) filled
+    // the load queue and held the tile up: 64 sequences x 208 keys, 8 layers, float32 (2-core Zen 2) 17.2 ->
+    // 12.5 ms, 12.7 -> 17.4 GB/s of KV (2 pages ahead 13.2 ms; a Next() per key of P·V 12.9).
+    const int64_t calls = (BS + 3) / 4 * NH * ((G + 1) / 2);
+    PageStream ahead = j + 1 < pages.count ? pages.Stream(p.k, p.v, j + 1, NH * D, calls)
+                                           : next_pages.Stream(p.k, p.v, 0, next_heads * D, calls);
     for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
       const int64_t kc = std::min(kChunk, n - c0), halves = (kc + 7) / 8;
       for (int64_t hh = 0; hh < NH; ++hh) {
@@ -1659,6 +1783,7 @@ FERRY_AVX2 void DecodeTileAvx2Of(const Problem<TQ, TKV>& p, const Tile& tile, Sc
           for (int64_t h = 0; h < halves; ++h) {
             __m128 quarter[2][2];
             for (int h4 = 0; h4 < 2; ++h4) {
+              ahead.Next();
               // An absent key reads the last present row (masked below): no branch in the dot loop.
               const TKV* rows[4];
               FERRY_UNROLL for (int t = 0; t < 4; ++t)
@@ -2364,6 +2489,7 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
 #ifdef FERRY_HAVE_AVX512_MATMUL
   if (avx512) work.tiles = &kAvx512Tiles[dpbf16 ? 2 : bf16 ? 1 : 0];
   else if (UseAvx2Matmul()) work.tiles = &kAvx2Tiles[bf16 ? 1 : 0];
+  if (work.tiles != nullptr) p.k_block = KBlockFor(*static_cast<const PanelTiles*>(work.tiles));
 #endif
   std::vector<float> sums;  // gated, on the paths that do not fuse it: every sum, then one pass
   if (gated && !work.FusesGate()) {
