@@ -1583,31 +1583,32 @@ void SumPanel(const Matmul& p, const PanelTiles& tiles, const void* panel, int64
   }
 }
 
-// Work item `item`: panel `item` over every row into y; gated, the gate's panel `item` and the up's (Pg
-// later), their sums in scratch a row group at a time, act(gate) * up into the result's columns 64 * item..
-// Items go out in order, so this thread's next is about `lookahead` on: its panels are asked for meanwhile.
-void MatmulItemTiled(const Matmul& p, const PanelTiles& tiles, int64_t item, int64_t items, int64_t lookahead) {
-  const int64_t c0 = p.PanelCol(item), cols = p.PanelWidth(item), next = item + lookahead;
+// Rows [r_begin, r_end) of panel `item` into y; gated, of the gate's panel `item` and the up's (Pg later),
+// their sums in scratch a row group at a time, act(gate) * up into the result's columns 64 * item... The
+// panel this thread takes next (`next`, -1: none) is asked for meanwhile.
+void MatmulItemTiled(const Matmul& p, const PanelTiles& tiles, int64_t item, int64_t r_begin, int64_t r_end,
+                     int64_t next) {
+  const int64_t c0 = p.PanelCol(item), cols = p.PanelWidth(item);
   int64_t steps = 0;  // k steps of the item's tile calls over one panel: each row block's strips
-  for (int64_t r0 = 0; r0 < p.m; r0 += kGroupRows) {
-    const RowBlocks blocks(std::min(kGroupRows, p.m - r0));
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kGroupRows) {
+    const RowBlocks blocks(std::min(kGroupRows, r_end - r0));
     for (int64_t b0 = 0; b0 < blocks.rows; b0 += blocks.Height(b0)) steps += tiles.strips[blocks.Height(b0) - 1];
   }
   steps *= p.w_bf16 ? (p.k + 1) / 2 : p.k;
   const int64_t lines = (p.PanelElems() * (p.w_bf16 ? 2 : 4) + 63) / 64;
-  const bool ask = next < items && p.m >= tiles.ahead_from_rows;
+  const bool ask = next >= 0 && p.m >= tiles.ahead_from_rows;
   auto plan = [&](int64_t panel) {
     return AheadPlan{ask ? static_cast<const char*>(p.Panel(panel)) : nullptr, lines, steps};
   };
   if (p.act < 0) {
     AheadPlan ahead = plan(next);
-    for (int64_t r0 = 0; r0 < p.m; r0 += kGroupRows)
-      SumPanel(p, tiles, p.Panel(item), r0, std::min(kGroupRows, p.m - r0), cols, p.y + r0 * p.n + c0, p.n, ahead);
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += kGroupRows)
+      SumPanel(p, tiles, p.Panel(item), r0, std::min(kGroupRows, r_end - r0), cols, p.y + r0 * p.n + c0, p.n, ahead);
     return;
   }
   AheadPlan gate_ahead = plan(next), up_ahead = plan(p.part_panels + next);
-  for (int64_t r0 = 0; r0 < p.m; r0 += kGroupRows) {
-    const int64_t rows = std::min(kGroupRows, p.m - r0);
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kGroupRows) {
+    const int64_t rows = std::min(kGroupRows, r_end - r0);
     float sums[2][kGroupRows * kPanelCols];
     SumPanel(p, tiles, p.Panel(item), r0, rows, cols, sums[0], kPanelCols, gate_ahead);
     SumPanel(p, tiles, p.Panel(p.part_panels + item), r0, rows, cols, sums[1], kPanelCols, up_ahead);
@@ -2400,17 +2401,38 @@ void DecodeTileAvx2(const Problem<uint16_t, uint16_t>&, const Tile&, Scratch&) {
 void DecodeTileAvx2(const Problem<float, uint16_t>&, const Tile&, Scratch&) {}
 #endif
 
+// The tiled paths split each panel's rows into parts so that every thread takes several items: with a few
+// panels a thread (o and down of model b: 4 each on 2 threads) the last item's work was left to one thread
+// while the other waited (two threads ran those linears at 1.25-1.5x one thread's speed, 64 rows).
+constexpr int64_t kItemsPerThread = 8, kMinPartRows = 24;
+
 struct MatmulWork {
   const Matmul* problem;
   const void* tiles;  // a PanelTiles (AVX-512 or AVX2; the activation fused per item); null: the portable loops
   int64_t threads = 1;
+  int64_t row_parts = 1;  // the tiled paths' parts of each panel's rows (RowParts)
   bool FusesGate() const { return tiles != nullptr; }
-  int64_t Items() const { return FusesGate() && problem->act >= 0 ? problem->part_panels : problem->panels; }
+  int64_t Panels() const { return FusesGate() && problem->act >= 0 ? problem->part_panels : problem->panels; }
+  int64_t Items() const { return Panels() * row_parts; }
+  int64_t RowParts() const {  // kItemsPerThread items a thread, parts of at least kMinPartRows rows
+    if (tiles == nullptr || threads <= 1) return 1;
+    const int64_t wanted = (kItemsPerThread * threads + Panels() - 1) / Panels();
+    return std::max<int64_t>(1, std::min(wanted, problem->m / kMinPartRows));
+  }
+  int64_t PartRow(int64_t part) const {  // part's first row (row_parts: M), the nearest multiple of kRowBlock
+    if (part == row_parts) return problem->m;
+    return std::min(problem->m, (part * problem->m / row_parts + kRowBlock / 2) / kRowBlock * kRowBlock);
+  }
   static void Run(const void* self, int64_t item) {
     const auto* w = static_cast<const MatmulWork*>(self);
 #ifdef FERRY_HAVE_AVX512_MATMUL
-    if (w->tiles != nullptr)
-      return MatmulItemTiled(*w->problem, *static_cast<const PanelTiles*>(w->tiles), item, w->Items(), w->threads);
+    if (w->tiles != nullptr) {
+      // Items go out in order: this thread's next is about `threads` on.
+      const int64_t panel = item / w->row_parts, part = item % w->row_parts;
+      const int64_t next = (item + w->threads) / w->row_parts;
+      return MatmulItemTiled(*w->problem, *static_cast<const PanelTiles*>(w->tiles), panel, w->PartRow(part),
+                             w->PartRow(part + 1), next != panel && next < w->Panels() ? next : -1);
+    }
 #endif
     const Matmul& p = *w->problem;
     if (p.w_bf16) MatmulPanelGenericBf16(p, item);
@@ -2497,6 +2519,7 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
     p.y = sums.data();
   }
   work.threads = ThreadsFor(pool, p.m * p.k * p.n, int64_t{1} << 18);
+  work.row_parts = work.RowParts();
   ParallelFor(&pool, work.Items(), work.threads - 1, &work, &MatmulWork::Run);
   if (gated && !work.FusesGate()) GatedRows(p, sums.data(), sums.data() + p.n / 2, p.n, 0, p.m, 0, p.n / 2);
   return ffi::Error::Success();
