@@ -920,12 +920,13 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer pages, ffi::AnyBuffer updates, ffi::Buffer
 // with zero columns to whole panels: Pg = ceil(N / groups / 64) panels a part, P = groups * Pg.
 // Packing panels on every call streamed w at 6-13 GB/s a thread (rows N * 2 bytes apart); pre-packed, a
 // [512, 4096] bf16 layer with its gate took 0.14 against 0.23 ms at 4 rows (notes, session 11).
-// A work item is a panel (gated: a gate panel and its up panel) over all rows, kRowBlock rows at a time:
-// the panel comes from memory once and from L2 for the next rows. Every path sums each column over k in
-// order, one FMA (vdpbf16ps: one pair) per term, so a row's result does not depend on the batch.
-// On AVX-512 the tiles also ask for the thread's next item's panels, a few lines per k (PanelAhead), so
-// memory streams them while this item computes: a [64, 512] @ [512, 4096] gated bf16 layer 0.46 -> 0.42 ms,
-// a [64, 256] @ [256, 32000] head 1.57 -> 1.40 ms (notes, session 14).
+// A work item is a panel (gated: a gate panel and its up panel) over all rows (the tiled paths: over a part
+// of them, MatmulWork::RowParts), kRowBlock rows at a time: the panel comes from memory once and from L2 for
+// the next rows. Every path sums each column over k in order, one FMA (vdpbf16ps: one pair) per term, so a
+// row's result does not depend on the batch. The tiles also ask for the thread's next item's panels, a few
+// lines per k (PanelAhead), so memory streams them while this item computes: on AVX-512 a [64, 512] @
+// [512, 4096] gated bf16 layer 0.46 -> 0.42 ms, a [64, 256] @ [256, 32000] head 1.57 -> 1.40 ms (notes,
+// session 14).
 constexpr int64_t kPanelCols = 64;
 constexpr int kRowBlock = 6;
 
