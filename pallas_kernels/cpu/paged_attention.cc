@@ -401,36 +401,34 @@ struct TilePages {
     const int64_t block = std::clamp<int64_t>(table[j], 0, g.num_blocks - 1);
     return (block * g.block_size * g.num_kv_heads + head0) * g.head_dim;
   }
+  int64_t Rows(int64_t j) const { return std::min(g.block_size, keys - j * g.block_size); }  // keys in page j
+  // Page j's K and V rows, all at once.
+  template <typename T>
+  void PrefetchPage(const T* k, const T* v, int64_t j, int64_t row_elems) const {
+    Prefetch(k + Offset(j), Rows(j), g.num_kv_heads * g.head_dim, row_elems);
+    Prefetch(v + Offset(j), Rows(j), g.num_kv_heads * g.head_dim, row_elems);
+  }
   template <typename T>
   void PrefetchAhead(const T* k, const T* v, int64_t j, int64_t row_elems) const {
-    if (kPrefetchPages <= 0 || j + kPrefetchPages >= count) return;
-    const int64_t ahead = j + kPrefetchPages, rows = std::min(g.block_size, keys - ahead * g.block_size);
-    Prefetch(k + Offset(ahead), rows, g.num_kv_heads * g.head_dim, row_elems);
-    Prefetch(v + Offset(ahead), rows, g.num_kv_heads * g.head_dim, row_elems);
+    if (kPrefetchPages > 0 && j + kPrefetchPages < count) PrefetchPage(k, v, j + kPrefetchPages, row_elems);
   }
   // Page j's K and V lines (none past the last page), a few at each of `calls` Next()s spread over the
   // work before it, where the tile's heads are all of them (a page's rows one run); otherwise at once.
   template <typename T>
   PageStream Stream(const T* k, const T* v, int64_t j, int64_t row_elems, int64_t calls) const {
     if (kPrefetchPages <= 0 || j >= count) return PageStream{};
-    const int64_t rows = std::min(g.block_size, keys - j * g.block_size);
     if (row_elems != g.num_kv_heads * g.head_dim) {
-      Prefetch(k + Offset(j), rows, g.num_kv_heads * g.head_dim, row_elems);
-      Prefetch(v + Offset(j), rows, g.num_kv_heads * g.head_dim, row_elems);
+      PrefetchPage(k, v, j, row_elems);
       return PageStream{};
     }
-    const int64_t lines = (rows * row_elems * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    const int64_t lines = (Rows(j) * row_elems * static_cast<int64_t>(sizeof(T)) + 63) / 64;
     return PageStream{reinterpret_cast<const char*>(k + Offset(j)), reinterpret_cast<const char*>(v + Offset(j)),
                       lines, (lines + calls - 1) / calls};
   }
   // The first kPrefetchPages pages, which no PrefetchAhead of this tile asks for.
   template <typename T>
   void PrefetchFirst(const T* k, const T* v, int64_t row_elems) const {
-    for (int64_t j = 0; j < std::min(kPrefetchPages, count); ++j) {
-      const int64_t rows = std::min(g.block_size, keys - j * g.block_size);
-      Prefetch(k + Offset(j), rows, g.num_kv_heads * g.head_dim, row_elems);
-      Prefetch(v + Offset(j), rows, g.num_kv_heads * g.head_dim, row_elems);
-    }
+    for (int64_t j = 0; j < std::min(kPrefetchPages, count); ++j) PrefetchPage(k, v, j, row_elems);
   }
 };
 
@@ -1601,17 +1599,15 @@ void MatmulItemTiled(const Matmul& p, const PanelTiles& tiles, int64_t item, int
   auto plan = [&](int64_t panel) {
     return AheadPlan{ask ? static_cast<const char*>(p.Panel(panel)) : nullptr, lines, steps};
   };
-  if (p.act < 0) {
-    AheadPlan ahead = plan(next);
-    for (int64_t r0 = r_begin; r0 < r_end; r0 += kGroupRows)
-      SumPanel(p, tiles, p.Panel(item), r0, std::min(kGroupRows, r_end - r0), cols, p.y + r0 * p.n + c0, p.n, ahead);
-    return;
-  }
-  AheadPlan gate_ahead = plan(next), up_ahead = plan(p.part_panels + next);
+  AheadPlan ahead = plan(next), up_ahead = p.act < 0 ? AheadPlan{} : plan(p.part_panels + next);
   for (int64_t r0 = r_begin; r0 < r_end; r0 += kGroupRows) {
     const int64_t rows = std::min(kGroupRows, r_end - r0);
+    if (p.act < 0) {
+      SumPanel(p, tiles, p.Panel(item), r0, rows, cols, p.y + r0 * p.n + c0, p.n, ahead);
+      continue;
+    }
     float sums[2][kGroupRows * kPanelCols];
-    SumPanel(p, tiles, p.Panel(item), r0, rows, cols, sums[0], kPanelCols, gate_ahead);
+    SumPanel(p, tiles, p.Panel(item), r0, rows, cols, sums[0], kPanelCols, ahead);
     SumPanel(p, tiles, p.Panel(p.part_panels + item), r0, rows, cols, sums[1], kPanelCols, up_ahead);
     tiles.gated_rows(p, sums[0], sums[1], kPanelCols, r0, rows, c0, cols);
   }
