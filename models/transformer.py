@@ -98,7 +98,7 @@ class Linear(nnx.Linear):
     def packed_sums(self) -> bool:
         """Whether packed_matmul's float32 sums are this layer's output before its rounding (a packed kernel,
         no bias): what a native epilogue (the MLP's gate, the residual add) can take straight."""
-        return self.kernel[...].ndim == 4 and self.bias is None
+        return self.kernel[...].ndim == native.PACKED_RANK and self.bias is None
 
     def float32_out(self, x):
         """self(x).astype(float32): the LM head's logits, a residual branch for RMSNorm's add. A packed
@@ -179,7 +179,7 @@ def _is_kernel(path, _value) -> bool:
 
 def layer_kernels_packed(layers) -> bool:
     """Whether a Transformer's layers hold packed kernels (pack_kernels)."""
-    return not isinstance(layers, nnx.List) and layers.mlp.down_proj.kernel[...].ndim == 4
+    return not isinstance(layers, nnx.List) and layers.mlp.down_proj.kernel[...].ndim == native.PACKED_RANK
 
 
 def rope_cos_sin(inv_freq, positions, dtype):

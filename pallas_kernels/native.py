@@ -358,14 +358,17 @@ def kv_write(pages, updates, slot_mapping):
 
 GATED_ACTIVATIONS = ("silu", "gelu_tanh")  # the kernel's act attribute: their index
 PANEL_COLS = 64  # kPanelCols in the .cc
+STRIP_COLS = 16  # kStripCols
+PANEL_STRIPS = PANEL_COLS // STRIP_COLS
+PACKED_RANK = 5  # pack_stacked's [L, P, 4, KP, 16 * E]
 
 
-def packed_shape(num_layers: int, k: int, n: int, dtype, groups: int = 1) -> tuple[int, int, int, int]:
-    """pack_stacked's output shape for a [num_layers, K, N] stack: [L, P, KP, 64 * E] (see pack_stacked)."""
+def packed_shape(num_layers: int, k: int, n: int, dtype, groups: int = 1) -> tuple[int, ...]:
+    """pack_stacked's output shape for a [num_layers, K, N] stack: [L, P, 4, KP, 16 * E] (see pack_stacked)."""
     panels = groups * -(-(n // groups) // PANEL_COLS)
     if jnp.dtype(dtype) == jnp.bfloat16:
-        return num_layers, panels, (k + 1) // 2, 2 * PANEL_COLS
-    return num_layers, panels, k, PANEL_COLS
+        return num_layers, panels, PANEL_STRIPS, (k + 1) // 2, 2 * STRIP_COLS
+    return num_layers, panels, PANEL_STRIPS, k, STRIP_COLS
 
 
 def pack_stacked(w, groups: int = 1):
@@ -373,10 +376,11 @@ def pack_stacked(w, groups: int = 1):
     load (the weights then stream from memory contiguously, where packing per call read 64 columns of
     every row of w: 6-13 GB/s a thread). `groups` equal parts of the columns (a fused [gate | up]: 2)
     are each zero-padded to whole 64-column panels, so a gated call finds the up's panel at a fixed
-    offset from the gate's. [L, P, KP, 64 * E], panel p holding 64 columns over all of K:
-      float32: KP = K, [l, p, k, j] = w[l, k, c + j];
-      bfloat16: KP = ceil(K / 2), [l, p, k2, 2 j + h] = w[l, 2 k2 + h, c + j] (zero past K): the pairs of
-      rows a bf16 dot product instruction takes, one 32-bit lane per column."""
+    offset from the gate's. [L, P, 4, KP, 16 * E], panel p holding 64 columns over all of K as 4 strips
+    of 16 columns, one after another (a tile reads a strip's k steps as one stream):
+      float32: KP = K, [l, p, s, k, j] = w[l, k, c + 16 s + j];
+      bfloat16: KP = ceil(K / 2), [l, p, s, k2, 2 j + h] = w[l, 2 k2 + h, c + 16 s + j] (zero past K): the
+      pairs of rows a bf16 dot product instruction takes, one 32-bit lane per column."""
     num_layers, k, n = w.shape
     if n % groups:
         raise ValueError(f"pack_stacked: N {n} does not split into {groups} equal parts")
@@ -384,12 +388,12 @@ def pack_stacked(w, groups: int = 1):
     panels_per_part = -(-part // PANEL_COLS)
     w = w.reshape(num_layers, k, groups, part)
     w = jnp.pad(w, ((0, 0), (0, 0), (0, 0), (0, panels_per_part * PANEL_COLS - part)))
-    w = w.reshape(num_layers, k, groups * panels_per_part, PANEL_COLS)  # [L, K, P, 64]
+    w = w.reshape(num_layers, k, groups * panels_per_part, PANEL_STRIPS, STRIP_COLS)  # [L, K, P, 4, 16]
     if jnp.dtype(w.dtype) != jnp.bfloat16:
-        return w.transpose(0, 2, 1, 3)
-    w = jnp.pad(w, ((0, 0), (0, k % 2), (0, 0), (0, 0)))
-    w = w.reshape(num_layers, (k + 1) // 2, 2, groups * panels_per_part, PANEL_COLS)
-    return w.transpose(0, 3, 1, 4, 2).reshape(packed_shape(num_layers, k, n, w.dtype, groups))
+        return w.transpose(0, 2, 3, 1, 4)
+    w = jnp.pad(w, ((0, 0), (0, k % 2), (0, 0), (0, 0), (0, 0)))
+    w = w.reshape(num_layers, (k + 1) // 2, 2, groups * panels_per_part, PANEL_STRIPS, STRIP_COLS)
+    return w.transpose(0, 3, 4, 1, 5, 2).reshape(packed_shape(num_layers, k, n, w.dtype, groups))
 
 
 def unpack_stacked(packed, k: int, n: int, groups: int = 1):
@@ -397,10 +401,10 @@ def unpack_stacked(packed, k: int, n: int, groups: int = 1):
     num_layers, panels = packed.shape[:2]
     part = n // groups
     if jnp.dtype(packed.dtype) == jnp.bfloat16:
-        w = packed.reshape(num_layers, panels, -1, PANEL_COLS, 2).transpose(0, 2, 4, 1, 3)
+        w = packed.reshape(num_layers, panels, PANEL_STRIPS, -1, STRIP_COLS, 2).transpose(0, 3, 5, 1, 2, 4)
         w = w.reshape(num_layers, -1, panels, PANEL_COLS)[:, :k]  # [L, K, P, 64]
     else:
-        w = packed.transpose(0, 2, 1, 3)
+        w = packed.transpose(0, 3, 1, 2, 4).reshape(num_layers, k, panels, PANEL_COLS)
     w = w.reshape(num_layers, k, groups, -1)[..., :part]
     return w.reshape(num_layers, k, n)
 
@@ -431,7 +435,7 @@ def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | 
     if packed_w.dtype not in SUPPORTED_DTYPES or x.dtype not in {jnp.dtype(jnp.float32), packed_w.dtype}:
         raise ValueError(f"native stacked matmul takes float32 or bfloat16 weights and float32 x (or x of the "
                          f"weights' dtype); got x {x.dtype}, packed_w {packed_w.dtype}")
-    want = packed_shape(packed_w.shape[0], x.shape[-1], n, packed_w.dtype, groups) if packed_w.ndim == 4 else None
+    want = packed_shape(packed_w.shape[0], x.shape[-1], n, packed_w.dtype, groups) if packed_w.ndim == PACKED_RANK else None
     if tuple(packed_w.shape) != want or n % groups:
         raise ValueError(f"native stacked matmul: packed_w must be pack_stacked(w [L, K, {n}], groups={groups}) "
                          f"for x [..., K]; got x {x.shape}, packed_w {packed_w.shape}")

@@ -909,11 +909,15 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer pages, ffi::AnyBuffer updates, ffi::Buffer
 // (pallas_kernels/native.py, pack_stacked): the decoder layers' linears inside jax.lax.scan read their
 // layer's weights in place, where XLA CPU would copy the dynamic-slice w[layer] on every step.
 //
-// The packed layout is panel-major, the order in which the tiles read it: w [L, P, KP, 64 * E], a panel
-// being 64 output columns over all of K, contiguous in memory.
-//   float32 (E = 1): KP = K, panel[k, j] = w[k, c + j].
-//   bfloat16 (E = 2): KP = ceil(K / 2), panel[k2, 2 j + h] = w[2 k2 + h, c + j] (zero past K): a 32-bit
-//     lane per column holding a pair of rows, as vdpbf16ps takes them.
+// The packed layout is panel-major, the order in which the tiles read it: w [L, P, 4, KP, 16 * E], a panel
+// being 64 output columns over all of K, contiguous in memory, as 4 strips of 16 columns one after another.
+//   float32 (E = 1): KP = K, strip[s][k, j] = w[k, c + 16 s + j].
+//   bfloat16 (E = 2): KP = ceil(K / 2), strip[s][k2, 2 j + h] = w[2 k2 + h, c + 16 s + j] (zero past K): a
+//     32-bit lane per column holding a pair of rows, as vdpbf16ps takes them.
+// A tile walks each strip's k steps as one stream of whole lines (the AVX-512 tiles four streams at once),
+// where in a [KP, 64 E] panel an AVX2 tile's pass over 16 columns read a line every 256 bytes: on the Zen 2
+// the 1-row LM head took 1.61 against 2.22 ms, a 1-row gated [512, 4096] 0.215 against 0.303, 64 rows of it
+// 1.56 against 1.69 (bench_native_matmul.py, notes session 23).
 // The columns are `groups` equal parts of N / groups (a fused projection's, [gate | up]), each padded
 // with zero columns to whole panels: Pg = ceil(N / groups / 64) panels a part, P = groups * Pg.
 // Packing panels on every call streamed w at 6-13 GB/s a thread (rows N * 2 bytes apart); pre-packed, a
@@ -926,11 +930,13 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer pages, ffi::AnyBuffer updates, ffi::Buffer
 // [512, 4096] gated bf16 layer 0.46 -> 0.42 ms, a [64, 256] @ [256, 32000] head 1.57 -> 1.40 ms (notes,
 // session 14).
 constexpr int64_t kPanelCols = 64;
+constexpr int64_t kStripCols = 16;
+constexpr int64_t kPanelStrips = kPanelCols / kStripCols;
 constexpr int kRowBlock = 6;
 
 struct Matmul {
   const float* x;  // [M, K] float32 (bf16 x widened, for the tiles that read float32)
-  const void* w;   // [P, KP, 64 * E]: the chosen layer's panels, float or bfloat16 bits
+  const void* w;   // [P, 4, KP, 16 * E]: the chosen layer's panels, float or bfloat16 bits
   float* y;        // [M, N] sums (gated: scratch for the paths that do not fuse the activation)
   int64_t m, k, n;
   bool w_bf16 = false;
@@ -946,7 +952,8 @@ struct Matmul {
   // sampler reads them, without a bf16 array between; see RoundedToBf16).
   bool round_bf16 = false;
   int64_t k_block = 0;  // the tiles' k block (PanelTiles::k_block, or FERRY_NATIVE_MATMUL_K_BLOCK's)
-  int64_t PanelElems() const { return w_bf16 ? (k + 1) / 2 * 2 * kPanelCols : k * kPanelCols; }
+  int64_t StripElems() const { return w_bf16 ? (k + 1) / 2 * 2 * kStripCols : k * kStripCols; }
+  int64_t PanelElems() const { return kPanelStrips * StripElems(); }
   const void* Panel(int64_t p) const {
     return static_cast<const char*>(w) + p * PanelElems() * (w_bf16 ? 2 : 4);
   }
@@ -964,13 +971,16 @@ FERRY_INLINE void MatmulPanelGenericOf(const Matmul& p, int64_t panel) {
     const float* xr = p.x + r * p.k;
     for (int64_t k = 0; k < p.k; ++k) {
       const float a = xr[k];
-      if constexpr (kBf16) {
-        const uint16_t* __restrict wk =
-            static_cast<const uint16_t*>(p.Panel(panel)) + k / 2 * 2 * kPanelCols + (k & 1);
-        for (int64_t j = 0; j < kPanelCols; ++j) acc[j] += a * Bf16ToF32(wk[2 * j]);
-      } else {
-        const float* __restrict wk = static_cast<const float*>(p.Panel(panel)) + k * kPanelCols;
-        for (int64_t j = 0; j < kPanelCols; ++j) acc[j] += a * wk[j];
+      for (int64_t s = 0; s < kPanelStrips; ++s) {
+        float* __restrict sums = acc + s * kStripCols;
+        if constexpr (kBf16) {
+          const uint16_t* __restrict wk = static_cast<const uint16_t*>(p.Panel(panel)) + s * p.StripElems() +
+                                          k / 2 * 2 * kStripCols + (k & 1);
+          for (int64_t j = 0; j < kStripCols; ++j) sums[j] += a * Bf16ToF32(wk[2 * j]);
+        } else {
+          const float* __restrict wk = static_cast<const float*>(p.Panel(panel)) + s * p.StripElems() + k * kStripCols;
+          for (int64_t j = 0; j < kStripCols; ++j) sums[j] += a * wk[j];
+        }
       }
     }
     std::copy(acc, acc + cols, p.y + r * p.n + c0);
@@ -1207,12 +1217,13 @@ FERRY_AVX512 void PanelTileF32(const Matmul& p, const void* panel, int64_t r0, i
                                int64_t ldy, TileSpan span, PanelAhead ahead) {
   __m512 acc[MR][4];
   FERRY_START_TILE(acc);
-  const float* w = static_cast<const float*>(panel) + span.k0 * kPanelCols;
+  const float* w = static_cast<const float*>(panel) + span.k0 * kStripCols;
+  const int64_t strip = p.StripElems();
   const float* x = p.x + r0 * p.k;
-  for (int64_t k = span.k0; k < span.k1; ++k, w += kPanelCols) {
+  for (int64_t k = span.k0; k < span.k1; ++k, w += kStripCols) {
     ahead.Next();
     __m512 b[4];
-    FERRY_UNROLL for (int v = 0; v < 4; ++v) b[v] = _mm512_loadu_ps(w + 16 * v);
+    FERRY_UNROLL for (int v = 0; v < 4; ++v) b[v] = _mm512_loadu_ps(w + v * strip);
     FmaRows<MR>(acc, x + k, p.k, b);
   }
   FERRY_STORE_TILE(acc);
@@ -1226,18 +1237,19 @@ FERRY_AVX512 void PanelTileWidened(const Matmul& p, const void* panel, int64_t r
                                    int64_t ldy, TileSpan span, PanelAhead ahead) {
   __m512 acc[MR][4];
   FERRY_START_TILE(acc);
-  const uint32_t* w = static_cast<const uint32_t*>(panel) + span.k0 / 2 * kPanelCols;
+  const uint32_t* w = static_cast<const uint32_t*>(panel) + span.k0 / 2 * kStripCols;
+  const int64_t strip = p.StripElems() / 2;  // in pairs
   const float* x = p.x + r0 * p.k;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t k = span.k0; k < span.k1; k += 2, w += kPanelCols) {
+  for (int64_t k = span.k0; k < span.k1; k += 2, w += kStripCols) {
     ahead.Next();
     __m512 b[4];
     FERRY_UNROLL for (int v = 0; v < 4; ++v)
-      b[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + 16 * v), 16));
+      b[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + v * strip), 16));
     FmaRows<MR>(acc, x + k, p.k, b);
     if (k + 1 == p.k) break;
     FERRY_UNROLL for (int v = 0; v < 4; ++v)
-      b[v] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w + 16 * v), high));
+      b[v] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w + v * strip), high));
     FmaRows<MR>(acc, x + k + 1, p.k, b);
   }
   FERRY_STORE_TILE(acc);
@@ -1256,14 +1268,15 @@ FERRY_AVX512_BF16 void PanelTileDpbf16(const Matmul& p, const void* panel, int64
                                        int64_t ldy, TileSpan span, PanelAhead ahead) {
   __m512 acc[MR][4];
   FERRY_START_TILE(acc);
-  const uint32_t* w = static_cast<const uint32_t*>(panel) + span.k0 / 2 * kPanelCols;
+  const uint32_t* w = static_cast<const uint32_t*>(panel) + span.k0 / 2 * kStripCols;
+  const int64_t strip = p.StripElems() / 2;  // in pairs
   const uint16_t* x = p.x16 + r0 * p.k;
   // A pair of x is the 32-bit word at x + k: broadcast from memory (an odd K's last pair is built).
   const int64_t even = p.k & ~int64_t{1};
-  for (int64_t k = span.k0; k < span.k1; k += 2, w += kPanelCols) {
+  for (int64_t k = span.k0; k < span.k1; k += 2, w += kStripCols) {
     ahead.Next();
     __m512i b[4];
-    FERRY_UNROLL for (int v = 0; v < 4; ++v) b[v] = _mm512_loadu_si512(w + 16 * v);
+    FERRY_UNROLL for (int v = 0; v < 4; ++v) b[v] = _mm512_loadu_si512(w + v * strip);
     FERRY_UNROLL for (int r = 0; r < MR; ++r) {
       int32_t pair;
       if (k < even) std::memcpy(&pair, x + r * p.k + k, sizeof(pair));
@@ -1329,23 +1342,29 @@ FERRY_AVX2 FERRY_INLINE __m256 HighBf16(const uint32_t* w) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(LoadLanes(w), 16), 16));
 }
 
-// Weight vector v of a strip's k step, for FmaRows8: float32, and bfloat16 pairs' low and high halves.
+// Weight vector v of a pass's k step, for FmaRows8: float32, and bfloat16 pairs' low and high halves; a
+// pass wider than a strip (1 and 2 rows) takes vectors 2, 3.. from the next strips, `strip` elements on.
 struct F32Weights {
   const float* w;
-  FERRY_AVX2 FERRY_INLINE __m256 operator()(int v) const { return _mm256_loadu_ps(w + 8 * v); }
+  int64_t strip;
+  FERRY_AVX2 FERRY_INLINE __m256 operator()(int v) const { return _mm256_loadu_ps(w + v / 2 * strip + 8 * (v % 2)); }
 };
 template <bool kHigh>
 struct Bf16Weights {
   const uint32_t* w;
-  FERRY_AVX2 FERRY_INLINE __m256 operator()(int v) const { return kHigh ? HighBf16(w + 8 * v) : LowBf16(w + 8 * v); }
+  int64_t strip;  // in pairs
+  FERRY_AVX2 FERRY_INLINE __m256 operator()(int v) const {
+    const uint32_t* lanes = w + v / 2 * strip + 8 * (v % 2);
+    return kHigh ? HighBf16(lanes) : LowBf16(lanes);
+  }
 };
 
-// A strip's width in vectors for an MR-row tile: 16 columns (2 vectors) from 3 rows on; fewer rows take
-// wider strips, so a small batch's tile (bound by streaming the panel) makes fewer passes over the panel's
-// k steps: 1 row one pass (8 accumulators), 2 rows two. With 16-column strips for every row count, a
+// A pass's width in vectors for an MR-row tile: one strip (16 columns, 2 vectors) from 3 rows on; fewer rows
+// take wider passes, so a small batch's tile (bound by streaming the panel) makes fewer passes over the
+// panel's k steps: 1 row one pass (8 accumulators), 2 rows two. With 16-column passes for every row count, a
 // single request's decode step on model b took 12.4 against 8.8 ms/token for the portable loop's one pass.
-constexpr int StripVectors(int mr) { return mr == 1 ? 8 : mr == 2 ? 4 : 2; }
-constexpr int StripsOf(int mr) { return static_cast<int>(kPanelCols) / (8 * StripVectors(mr)); }
+constexpr int PassVectors(int mr) { return mr == 1 ? 8 : mr == 2 ? 4 : 2; }
+constexpr int PassesOf(int mr) { return static_cast<int>(kPanelCols) / (8 * PassVectors(mr)); }
 
 // acc[r][v] += x_rows[r][k] * b(v) for MR rows (a pointer per row: no address arithmetic per k beyond k).
 // One row takes each weight vector as it comes (10 registers for 8 accumulators); more hold kV of them.
@@ -1365,10 +1384,10 @@ FERRY_AVX2 FERRY_INLINE void FmaRows8(__m256 (&acc)[MR][kV], const float* const 
   }
 }
 
-// Strip s's sums so far (columns 8 kV s.. of the panel; `cols` of the panel's present): zero at k0 == 0,
+// Pass s's sums so far (columns 8 kV s.. of the panel; `cols` of the panel's present): zero at k0 == 0,
 // else what the call over the k steps before left in y.
 template <int MR, int kV>
-FERRY_AVX2 FERRY_INLINE void StartStrip8(__m256 (&acc)[MR][kV], int64_t s, int64_t cols, const float* y, int64_t ldy,
+FERRY_AVX2 FERRY_INLINE void StartPass8(__m256 (&acc)[MR][kV], int64_t s, int64_t cols, const float* y, int64_t ldy,
                                          bool from_zero) {
   FERRY_UNROLL for (int r = 0; r < MR; ++r) {
     FERRY_UNROLL for (int v = 0; v < kV; ++v) {
@@ -1379,9 +1398,9 @@ FERRY_AVX2 FERRY_INLINE void StartStrip8(__m256 (&acc)[MR][kV], int64_t s, int64
   }
 }
 
-// Strip s's sums into y, rounded (round_bf16) where `last`.
+// Pass s's sums into y, rounded (round_bf16) where `last`.
 template <int MR, int kV>
-FERRY_AVX2 FERRY_INLINE void StoreStrip8(const Matmul& p, __m256 (&acc)[MR][kV], int64_t s, int64_t cols, float* y,
+FERRY_AVX2 FERRY_INLINE void StorePass8(const Matmul& p, __m256 (&acc)[MR][kV], int64_t s, int64_t cols, float* y,
                                          int64_t ldy, bool last) {
   FERRY_UNROLL for (int r = 0; r < MR; ++r) {
     FERRY_UNROLL for (int v = 0; v < kV; ++v) {
@@ -1398,18 +1417,19 @@ FERRY_AVX2 FERRY_INLINE void StoreStrip8(const Matmul& p, __m256 (&acc)[MR][kV],
 template <int MR>
 FERRY_AVX2 void PanelTileF32Avx2(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
                                  int64_t ldy, TileSpan span, PanelAhead ahead) {
-  constexpr int kV = StripVectors(MR);
+  constexpr int kV = PassVectors(MR);
   const float* x_rows[MR];
   FERRY_UNROLL for (int r = 0; r < MR; ++r) x_rows[r] = p.x + (r0 + r) * p.k;
   for (int64_t s = 0; 8 * kV * s < cols; ++s) {
     __m256 acc[MR][kV];
-    StartStrip8<MR, kV>(acc, s, cols, y, ldy, span.k0 == 0);
-    const float* w = static_cast<const float*>(panel) + span.k0 * kPanelCols + 8 * kV * s;
-    for (int64_t k = span.k0; k < span.k1; ++k, w += kPanelCols) {
+    StartPass8<MR, kV>(acc, s, cols, y, ldy, span.k0 == 0);
+    const int64_t strip = p.StripElems();
+    const float* w = static_cast<const float*>(panel) + kV / 2 * s * strip + span.k0 * kStripCols;
+    for (int64_t k = span.k0; k < span.k1; ++k, w += kStripCols) {
       ahead.Next();
-      FmaRows8<MR, kV>(acc, x_rows, k, F32Weights{w});
+      FmaRows8<MR, kV>(acc, x_rows, k, F32Weights{w, strip});
     }
-    StoreStrip8<MR, kV>(p, acc, s, cols, y, ldy, span.k1 == p.k);
+    StorePass8<MR, kV>(p, acc, s, cols, y, ldy, span.k1 == p.k);
   }
 }
 
@@ -1417,20 +1437,21 @@ FERRY_AVX2 void PanelTileF32Avx2(const Matmul& p, const void* panel, int64_t r0,
 template <int MR>
 FERRY_AVX2 void PanelTileWidenedAvx2(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
                                      int64_t ldy, TileSpan span, PanelAhead ahead) {
-  constexpr int kV = StripVectors(MR);
+  constexpr int kV = PassVectors(MR);
   const float* x_rows[MR];
   FERRY_UNROLL for (int r = 0; r < MR; ++r) x_rows[r] = p.x + (r0 + r) * p.k;
   for (int64_t s = 0; 8 * kV * s < cols; ++s) {
     __m256 acc[MR][kV];
-    StartStrip8<MR, kV>(acc, s, cols, y, ldy, span.k0 == 0);
-    const uint32_t* w = static_cast<const uint32_t*>(panel) + span.k0 / 2 * kPanelCols + 8 * kV * s;
-    for (int64_t k = span.k0; k < span.k1; k += 2, w += kPanelCols) {
+    StartPass8<MR, kV>(acc, s, cols, y, ldy, span.k0 == 0);
+    const int64_t strip = p.StripElems() / 2;  // in pairs
+    const uint32_t* w = static_cast<const uint32_t*>(panel) + kV / 2 * s * strip + span.k0 / 2 * kStripCols;
+    for (int64_t k = span.k0; k < span.k1; k += 2, w += kStripCols) {
       ahead.Next();
-      FmaRows8<MR, kV>(acc, x_rows, k, Bf16Weights<false>{w});
+      FmaRows8<MR, kV>(acc, x_rows, k, Bf16Weights<false>{w, strip});
       if (k + 1 == p.k) break;
-      FmaRows8<MR, kV>(acc, x_rows, k + 1, Bf16Weights<true>{w});
+      FmaRows8<MR, kV>(acc, x_rows, k + 1, Bf16Weights<true>{w, strip});
     }
-    StoreStrip8<MR, kV>(p, acc, s, cols, y, ldy, span.k1 == p.k);
+    StorePass8<MR, kV>(p, acc, s, cols, y, ldy, span.k1 == p.k);
   }
 }
 
@@ -1511,7 +1532,7 @@ using GatedRowsFn = void (*)(const Matmul&, const float* gate, const float* up, 
                              int64_t rows, int64_t n0, int64_t cols);
 struct PanelTiles {
   const PanelTileFn* by_rows;  // [kRowBlock]: tile for rows - 1
-  int strips[kRowBlock];       // passes over the panel's k steps a tile of rows - 1 makes
+  int passes[kRowBlock];       // passes over the panel's k steps a tile of rows - 1 makes
   GatedRowsFn gated_rows;
   // Batches of fewer rows do not ask for the next panel: AVX2's one- and two-row tiles stream the panel
   // in one or two passes, which the hardware prefetcher follows; asking as well cost them 10-25% (the LM
@@ -1523,10 +1544,10 @@ struct PanelTiles {
 constexpr PanelTiles kAvx512Tiles[3] = {{kPanelTiles[0], {1, 1, 1, 1, 1, 1}, &GatedRowsAvx512, 1, 0},
                                         {kPanelTiles[1], {1, 1, 1, 1, 1, 1}, &GatedRowsAvx512, 1, 0},
                                         {kPanelTiles[2], {1, 1, 1, 1, 1, 1}, &GatedRowsAvx512, 1, 0}};
-#define FERRY_AVX2_STRIPS {StripsOf(1), StripsOf(2), StripsOf(3), StripsOf(4), StripsOf(5), StripsOf(6)}
-constexpr PanelTiles kAvx2Tiles[2] = {{kPanelTilesAvx2[0], FERRY_AVX2_STRIPS, &GatedRowsAvx2, 3, 512},
-                                      {kPanelTilesAvx2[1], FERRY_AVX2_STRIPS, &GatedRowsAvx2, 3, 512}};
-#undef FERRY_AVX2_STRIPS
+#define FERRY_AVX2_PASSES {PassesOf(1), PassesOf(2), PassesOf(3), PassesOf(4), PassesOf(5), PassesOf(6)}
+constexpr PanelTiles kAvx2Tiles[2] = {{kPanelTilesAvx2[0], FERRY_AVX2_PASSES, &GatedRowsAvx2, 3, 512},
+                                      {kPanelTilesAvx2[1], FERRY_AVX2_PASSES, &GatedRowsAvx2, 3, 512}};
+#undef FERRY_AVX2_PASSES
 
 // Rows an item takes at a time: a gated item's sums for them, 2 x 48 x 64 floats (24 KB), sit on the stack.
 constexpr int64_t kGroupRows = 8 * kRowBlock;
@@ -1575,8 +1596,8 @@ void SumPanel(const Matmul& p, const PanelTiles& tiles, const void* panel, int64
   for (int64_t k0 = 0; k0 < p.k; k0 += kc) {
     const TileSpan span{k0, std::min(p.k, k0 + kc)};
     for (int64_t b0 = 0; b0 < rows; b0 += blocks.Height(b0)) {
-      const int64_t height = blocks.Height(b0), strips = tiles.strips[height - 1];
-      const PanelAhead asked = ahead.For((span.k1 - span.k0 + k_per_step - 1) / k_per_step * strips);
+      const int64_t height = blocks.Height(b0), passes = tiles.passes[height - 1];
+      const PanelAhead asked = ahead.For((span.k1 - span.k0 + k_per_step - 1) / k_per_step * passes);
       tiles.by_rows[height - 1](p, panel, r0 + b0, cols, y + b0 * ldy, ldy, span, asked);
     }
   }
@@ -1588,10 +1609,10 @@ void SumPanel(const Matmul& p, const PanelTiles& tiles, const void* panel, int64
 void MatmulItemTiled(const Matmul& p, const PanelTiles& tiles, int64_t item, int64_t r_begin, int64_t r_end,
                      int64_t next) {
   const int64_t c0 = p.PanelCol(item), cols = p.PanelWidth(item);
-  int64_t steps = 0;  // k steps of the item's tile calls over one panel: each row block's strips
+  int64_t steps = 0;  // k steps of the item's tile calls over one panel: each row block's passes
   for (int64_t r0 = r_begin; r0 < r_end; r0 += kGroupRows) {
     const RowBlocks blocks(std::min(kGroupRows, r_end - r0));
-    for (int64_t b0 = 0; b0 < blocks.rows; b0 += blocks.Height(b0)) steps += tiles.strips[blocks.Height(b0) - 1];
+    for (int64_t b0 = 0; b0 < blocks.rows; b0 += blocks.Height(b0)) steps += tiles.passes[blocks.Height(b0) - 1];
   }
   steps *= p.w_bf16 ? (p.k + 1) / 2 : p.k;
   const int64_t lines = (p.PanelElems() * (p.w_bf16 ? 2 : 4) + 63) / 64;
@@ -2455,13 +2476,13 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   if (!bf16 && w.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("ferry stacked matmul: w must be float32 or bfloat16");
   if (xd.size() != 2 || yd.size() != 2 || layer.element_count() != 1 || rows.element_count() != 1 ||
-      yd[0] != xd[0] || wd.size() != 4)
-    return ffi::Error::InvalidArgument("ferry stacked matmul: expected x [M,K], packed w [L,P,KP,64E], layer [], "
+      yd[0] != xd[0] || wd.size() != 5)
+    return ffi::Error::InvalidArgument("ferry stacked matmul: expected x [M,K], packed w [L,P,4,KP,16E], layer [], "
                                        "rows [] and y [M,N] (gated: [M,N/2])");
   const int64_t n = gated ? 2 * yd[1] : yd[1], k = xd[1];
   const int64_t part_cols = n / groups, part_panels = (part_cols + kPanelCols - 1) / kPanelCols;
-  if (n % groups != 0 || wd[1] != groups * part_panels || wd[2] != (bf16 ? (k + 1) / 2 : k) ||
-      wd[3] != (bf16 ? 2 : 1) * kPanelCols)
+  if (n % groups != 0 || wd[1] != groups * part_panels || wd[2] != kPanelStrips ||
+      wd[3] != (bf16 ? (k + 1) / 2 : k) || wd[4] != (bf16 ? 2 : 1) * kStripCols)
     return ffi::Error::InvalidArgument(
         "ferry stacked matmul: w is not x's K and y's N packed in `groups` parts (native.pack_stacked)");
   const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
@@ -2478,7 +2499,7 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   // unwritten, their values never read by a real row.
   const int64_t m = std::clamp<int64_t>(*rows.typed_data(), 0, xd[0]);
   Matmul p{static_cast<const float*>(x.untyped_data()),
-           static_cast<const char*>(w.untyped_data()) + l * wd[1] * wd[2] * wd[3] * element_bytes,
+           static_cast<const char*>(w.untyped_data()) + l * wd[1] * wd[2] * wd[3] * wd[4] * element_bytes,
            static_cast<float*>(y->untyped_data()), m, k, n};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   p.w_bf16 = bf16;
