@@ -1754,6 +1754,30 @@ FERRY_AVX2 FERRY_INLINE __m256 Exp256NonPositive(__m256 x) {
   return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
 }
 
+// P·V of a decode tile's pair of query vectors over a chunk's kc keys, for kW vectors of features from
+// 8 cb: acc[v] = acc[v] * alpha[v] + sum_t w[v][t] V[t] (w: the pair's weights, `w_stride` apart). kW at
+// compile time keeps the 2 kW accumulators in registers: with a run-time width GCC stored all of them to
+// the stack after every key's FMAs.
+template <int kW, typename TKV>
+FERRY_AVX2 FERRY_INLINE void PairPv(float* const (&acc)[2], const float (&alpha)[2], const float* w,
+                                    int64_t w_stride, const TKV* vr, int64_t kv_row_stride, int64_t kc, int64_t cb) {
+  __m256 a[2][kW];
+  FERRY_UNROLL for (int v = 0; v < 2; ++v)
+    FERRY_UNROLL for (int u = 0; u < kW; ++u)
+      a[v][u] = _mm256_mul_ps(_mm256_loadu_ps(acc[v] + 8 * (cb + u)), _mm256_set1_ps(alpha[v]));
+  for (int64_t t = 0; t < kc; ++t) {
+    const __m256 b0 = _mm256_set1_ps(w[t]), b1 = _mm256_set1_ps(w[w_stride + t]);
+    const TKV* row = vr + t * kv_row_stride;
+    FERRY_UNROLL for (int u = 0; u < kW; ++u) {
+      const __m256 x = Row8(row, cb + u);
+      a[0][u] = _mm256_fmadd_ps(b0, x, a[0][u]);
+      a[1][u] = _mm256_fmadd_ps(b1, x, a[1][u]);
+    }
+  }
+  FERRY_UNROLL for (int v = 0; v < 2; ++v)
+    FERRY_UNROLL for (int u = 0; u < kW; ++u) _mm256_storeu_ps(acc[v] + 8 * (cb + u), a[v][u]);
+}
+
 template <typename TQ, typename TKV, int64_t kD>
 FERRY_AVX2 void DecodeTileAvx2Of(const Problem<TQ, TKV>& p, const Tile& tile, Scratch& sc) {
   constexpr int64_t kChunk = 16;  // keys per softmax step
@@ -1851,27 +1875,14 @@ FERRY_AVX2 void DecodeTileAvx2Of(const Problem<TQ, TKV>& p, const Tile& tile, Sc
             mx[mi] = new_max;
             l[mi] = l[mi] * alpha[v] + Sum8(sum);
           }
+          float* acc_pair[2] = {acc + m0 * D, acc + m1 * D};
           for (int64_t cb = 0; cb < C; cb += 4) {  // 32 features of both accumulators at a time
-            const int64_t cn = std::min<int64_t>(4, C - cb);
-            __m256 a[2][4];
-            for (int v = 0; v < 2; ++v)
-              for (int64_t u = 0; u < 4; ++u)
-                a[v][u] = u < cn ? _mm256_mul_ps(_mm256_loadu_ps(acc + slots[v] * D + 8 * (cb + u)),
-                                                 _mm256_set1_ps(alpha[v]))
-                                 : _mm256_setzero_ps();
-            const float* w0 = pw;
-            const float* w1 = pw + kChunk;
-            for (int64_t t = 0; t < kc; ++t) {
-              const __m256 b0 = _mm256_set1_ps(w0[t]), b1 = _mm256_set1_ps(w1[t]);
-              const TKV* row = vr + t * kv_row_stride;
-              for (int64_t u = 0; u < cn; ++u) {
-                const __m256 x = Row8(row, cb + u);
-                a[0][u] = _mm256_fmadd_ps(b0, x, a[0][u]);
-                a[1][u] = _mm256_fmadd_ps(b1, x, a[1][u]);
-              }
+            switch (std::min<int64_t>(4, C - cb)) {
+              case 4: PairPv<4>(acc_pair, alpha, pw, kChunk, vr, kv_row_stride, kc, cb); break;
+              case 3: PairPv<3>(acc_pair, alpha, pw, kChunk, vr, kv_row_stride, kc, cb); break;
+              case 2: PairPv<2>(acc_pair, alpha, pw, kChunk, vr, kv_row_stride, kc, cb); break;
+              default: PairPv<1>(acc_pair, alpha, pw, kChunk, vr, kv_row_stride, kc, cb);
             }
-            for (int v = 0; v < 2; ++v)
-              for (int64_t u = 0; u < cn; ++u) _mm256_storeu_ps(acc + slots[v] * D + 8 * (cb + u), a[v][u]);
           }
         }
       }
