@@ -28,7 +28,9 @@ its longest member; --static_sort groups similar prompt lengths instead).
 Backends are warmed up first (excluded from timing, reported), then interleaved round-robin over
 --repeats, the order rotating (rep 1: a, b, c; rep 2: b, c, a; ...), so slow drift of the machine and
 the place in the order (first, or last, of a repeat) hit all of them alike; the table quotes the median
-of the repeats and the ratios between backends. Warm-up times:
+of the repeats and the ratios between backends. Each timed run starts after --settle_s idle seconds: the vLLM
+worker's threads, still busy after its own run, had cost Ferry's single request 16% (6.47 against 5.43
+ms/token; its 8-second throughput runs ~1%). Warm-up times:
 the second Ferry engine reuses the first one's in-process compilations, and LLMEngine's persistent
 compilation cache makes any later launch's warm-up short (FERRY_COMPILATION_CACHE=0 for cold ones).
 
@@ -110,6 +112,8 @@ flags.DEFINE_enum("backend", "ferry", BACKENDS, "the backend to run (without --c
 flags.DEFINE_list("compare", None, f"run several backends, interleaved: any of {','.join(BACKENDS)}, or "
                   "ferry@field=value[@field=value] (EngineConfig fields set)")
 flags.DEFINE_integer("repeats", 3, "timed runs per backend (round-robin over the backends)")
+flags.DEFINE_float("settle_s", 1.0, "idle seconds before each timed run, so the previous backend's trailing "
+                   "work (a peer process's threads still spinning) does not land in the next one's time")
 flags.DEFINE_integer("static_batch", 16, "requests per batch for ferry-static and transformers")
 flags.DEFINE_bool("static_sort", False, "sort requests by prompt length before cutting static batches")
 # Ferry engine
@@ -565,6 +569,7 @@ def time_backends(backends, requests) -> dict:
     freeze_startup_heap()
     for rep in range(FLAGS.repeats):
         for b in rotated(backends, rep):
+            time.sleep(FLAGS.settle_s)
             results[b.name]["repeats"].append(run_metrics(b.run(requests), requests))
     for name, r in results.items():
         numeric = [k for k, v in r["repeats"][0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
@@ -582,6 +587,7 @@ def time_single_request(backends, vocab_size: int) -> dict:
     raw = {b.name: [] for b in chosen}
     for rep in range(FLAGS.repeats):
         for b in rotated(chosen, rep):
+            time.sleep(FLAGS.settle_s)
             raw[b.name].append(b.single(prompt, FLAGS.single_output_len))
     out = {"prompt_len": FLAGS.single_prompt_len, "output_len": FLAGS.single_output_len, "backends": {}}
     for name, reps in raw.items():

@@ -20,7 +20,7 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARAL
 TINY_THROUGHPUT = dict(layers=1, hidden=64, heads=4, kv_heads=2, vocab=256, intermediate=128, num_prompts=6,
                        prompt_len_range="4,16", output_len_range="4,16", compare="ferry,ferry-sync,ferry-static,transformers,vllm",
                        repeats=2, static_batch=4, max_num_seqs=4, max_num_batched_tokens=64, single_prompt_len=8,
-                       single_output_len=8, torch_threads=1)
+                       single_output_len=8, torch_threads=1, settle_s=0.1)
 SERVING_LEVELS = [1, 4]
 FAKE_TOKEN_DELAY_S = 0.001
 BACKENDS = ("ferry", "ferry-sync", "ferry-static", "transformers")
