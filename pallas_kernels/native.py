@@ -435,7 +435,8 @@ def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | 
     if packed_w.dtype not in SUPPORTED_DTYPES or x.dtype not in {jnp.dtype(jnp.float32), packed_w.dtype}:
         raise ValueError(f"native stacked matmul takes float32 or bfloat16 weights and float32 x (or x of the "
                          f"weights' dtype); got x {x.dtype}, packed_w {packed_w.dtype}")
-    want = packed_shape(packed_w.shape[0], x.shape[-1], n, packed_w.dtype, groups) if packed_w.ndim == PACKED_RANK else None
+    want = (packed_shape(packed_w.shape[0], x.shape[-1], n, packed_w.dtype, groups)
+            if packed_w.ndim == PACKED_RANK else None)
     if tuple(packed_w.shape) != want or n % groups:
         raise ValueError(f"native stacked matmul: packed_w must be pack_stacked(w [L, K, {n}], groups={groups}) "
                          f"for x [..., K]; got x {x.shape}, packed_w {packed_w.shape}")

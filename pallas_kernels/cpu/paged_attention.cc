@@ -482,7 +482,7 @@ FERRY_INLINE void AttendTileImpl(const Problem<TQ, TKV>& p, const Tile& tile, Sc
   const float inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   for (int64_t j = 0; j < pages.count; ++j) {
     const int64_t base = j * BS;
-    const int64_t n = std::min(BS, max_keys - base);
+    const int64_t n = pages.Rows(j);
     const int64_t offset = pages.Offset(j);
     pages.PrefetchAhead(p.k, p.v, j, NH * D);
     for (int64_t hh = 0; hh < NH; ++hh) {
@@ -960,7 +960,9 @@ struct Matmul {
   // sampler reads them, without a bf16 array between; see RoundedToBf16).
   bool round_bf16 = false;
   int64_t k_block = 0;  // the tiles' k block (PanelTiles::k_block, or FERRY_NATIVE_MATMUL_K_BLOCK's)
-  int64_t StripElems() const { return w_bf16 ? (k + 1) / 2 * 2 * kStripCols : k * kStripCols; }
+  // A strip's 32-bit lanes (float32 weights, or bf16 pairs): the tiles' step from one strip to the next.
+  int64_t StripLanes() const { return (w_bf16 ? (k + 1) / 2 : k) * kStripCols; }
+  int64_t StripElems() const { return StripLanes() * (w_bf16 ? 2 : 1); }
   int64_t PanelElems() const { return kPanelStrips * StripElems(); }
   const void* Panel(int64_t p) const {
     return static_cast<const char*>(w) + p * PanelElems() * (w_bf16 ? 2 : 4);
@@ -1226,7 +1228,7 @@ FERRY_AVX512 void PanelTileF32(const Matmul& p, const void* panel, int64_t r0, i
   __m512 acc[MR][4];
   FERRY_START_TILE(acc);
   const float* w = static_cast<const float*>(panel) + span.k0 * kStripCols;
-  const int64_t strip = p.StripElems();
+  const int64_t strip = p.StripLanes();
   const float* x = p.x + r0 * p.k;
   for (int64_t k = span.k0; k < span.k1; ++k, w += kStripCols) {
     ahead.Next();
@@ -1246,7 +1248,7 @@ FERRY_AVX512 void PanelTileWidened(const Matmul& p, const void* panel, int64_t r
   __m512 acc[MR][4];
   FERRY_START_TILE(acc);
   const uint32_t* w = static_cast<const uint32_t*>(panel) + span.k0 / 2 * kStripCols;
-  const int64_t strip = p.StripElems() / 2;  // in pairs
+  const int64_t strip = p.StripLanes();
   const float* x = p.x + r0 * p.k;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = span.k0; k < span.k1; k += 2, w += kStripCols) {
@@ -1277,7 +1279,7 @@ FERRY_AVX512_BF16 void PanelTileDpbf16(const Matmul& p, const void* panel, int64
   __m512 acc[MR][4];
   FERRY_START_TILE(acc);
   const uint32_t* w = static_cast<const uint32_t*>(panel) + span.k0 / 2 * kStripCols;
-  const int64_t strip = p.StripElems() / 2;  // in pairs
+  const int64_t strip = p.StripLanes();
   const uint16_t* x = p.x16 + r0 * p.k;
   // A pair of x is the 32-bit word at x + k: broadcast from memory (an odd K's last pair is built).
   const int64_t even = p.k & ~int64_t{1};
@@ -1351,7 +1353,7 @@ FERRY_AVX2 FERRY_INLINE __m256 HighBf16(const uint32_t* w) {
 }
 
 // Weight vector v of a pass's k step, for FmaRows8: float32, and bfloat16 pairs' low and high halves; a
-// pass wider than a strip (1 and 2 rows) takes vectors 2, 3.. from the next strips, `strip` elements on.
+// pass wider than a strip (1 and 2 rows) takes vectors 2, 3.. from the next strips, `strip` lanes on.
 struct F32Weights {
   const float* w;
   int64_t strip;
@@ -1360,7 +1362,7 @@ struct F32Weights {
 template <bool kHigh>
 struct Bf16Weights {
   const uint32_t* w;
-  int64_t strip;  // in pairs
+  int64_t strip;
   FERRY_AVX2 FERRY_INLINE __m256 operator()(int v) const {
     const uint32_t* lanes = w + v / 2 * strip + 8 * (v % 2);
     return kHigh ? HighBf16(lanes) : LowBf16(lanes);
@@ -1428,10 +1430,10 @@ FERRY_AVX2 void PanelTileF32Avx2(const Matmul& p, const void* panel, int64_t r0,
   constexpr int kV = PassVectors(MR);
   const float* x_rows[MR];
   FERRY_UNROLL for (int r = 0; r < MR; ++r) x_rows[r] = p.x + (r0 + r) * p.k;
+  const int64_t strip = p.StripLanes();
   for (int64_t s = 0; 8 * kV * s < cols; ++s) {
     __m256 acc[MR][kV];
     StartPass8<MR, kV>(acc, s, cols, y, ldy, span.k0 == 0);
-    const int64_t strip = p.StripElems();
     const float* w = static_cast<const float*>(panel) + kV / 2 * s * strip + span.k0 * kStripCols;
     for (int64_t k = span.k0; k < span.k1; ++k, w += kStripCols) {
       ahead.Next();
@@ -1448,10 +1450,10 @@ FERRY_AVX2 void PanelTileWidenedAvx2(const Matmul& p, const void* panel, int64_t
   constexpr int kV = PassVectors(MR);
   const float* x_rows[MR];
   FERRY_UNROLL for (int r = 0; r < MR; ++r) x_rows[r] = p.x + (r0 + r) * p.k;
+  const int64_t strip = p.StripLanes();
   for (int64_t s = 0; 8 * kV * s < cols; ++s) {
     __m256 acc[MR][kV];
     StartPass8<MR, kV>(acc, s, cols, y, ldy, span.k0 == 0);
-    const int64_t strip = p.StripElems() / 2;  // in pairs
     const uint32_t* w = static_cast<const uint32_t*>(panel) + kV / 2 * s * strip + span.k0 / 2 * kStripCols;
     for (int64_t k = span.k0; k < span.k1; k += 2, w += kStripCols) {
       ahead.Next();
@@ -1819,7 +1821,7 @@ FERRY_AVX2 void DecodeTileAvx2Of(const Problem<TQ, TKV>& p, const Tile& tile, Sc
                              next_tile != nullptr ? TileKeys(g, *next_tile) : 0);
   const int64_t next_heads = next_tile != nullptr ? next_tile->nheads : NH;
   for (int64_t j = 0; j < pages.count; ++j) {
-    const int64_t n = std::min(BS, keys - j * BS), offset = pages.Offset(j);
+    const int64_t n = pages.Rows(j), offset = pages.Offset(j);
     // The next page (the last page: the next tile's first), a Next() at each 4 keys' dot products of each
     // pair of query vectors. All of a float32 page's 512 lines at once (PrefetchAhead, 2 pages ahead) filled
     // the load queue and held the tile up: 64 sequences x 208 keys, 8 layers, float32 (2-core Zen 2) 17.2 ->
@@ -1957,7 +1959,7 @@ FERRY_AVX2 void PrefillTileAvx2Of(const Problem<TQ, TKV>& p, const Tile& tile, S
   const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   const TilePages pages(p.tables, g, tile, max_keys);
   for (int64_t j = 0; j < pages.count; ++j) {
-    const int64_t base = j * BS, n = std::min(BS, max_keys - base), offset = pages.Offset(j);
+    const int64_t base = j * BS, n = pages.Rows(j), offset = pages.Offset(j);
     pages.PrefetchAhead(p.k, p.v, j, D);
     for (int64_t c0 = 0; c0 < n; c0 += 8) {
       const int64_t kc = std::min<int64_t>(8, n - c0);
@@ -2105,7 +2107,7 @@ FERRY_AVX512 void PrefillTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& til
   const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   const TilePages pages(p.tables, g, tile, max_keys);
   for (int64_t j = 0; j < pages.count; ++j) {
-    const int64_t base = j * BS, n = std::min(BS, max_keys - base), offset = pages.Offset(j);
+    const int64_t base = j * BS, n = pages.Rows(j), offset = pages.Offset(j);
     pages.PrefetchAhead(p.k, p.v, j, D);
     for (int64_t c0 = 0; c0 < n; c0 += 16) {
       const int64_t kc = std::min<int64_t>(16, n - c0);
