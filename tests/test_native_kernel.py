@@ -319,9 +319,10 @@ def test_build_from_source_and_stale_check(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- stacked matmul
 
 STACKED_MATMUL_SHAPES = [  # (M, K, N, groups): odd sizes, one row and many, odd K (a bf16 panel's last pair
-    # half empty), panels of 64 columns and their tails, and two column parts padded apart
+    # half empty), panels of 64 columns and their tails, two column parts padded apart, and rows in parts
+    # (70 rows of 4 panels: parts of 24 rows or more; 260 of 18: the long parts, 128 rows or more)
     (1, 1, 1, 1), (1, 576, 1728, 2), (1, 37, 1050, 1), (1, 1027, 520, 2), (5, 33, 70, 2), (7, 129, 17, 1),
-    (16, 256, 1024, 1), (13, 100, 129, 1), (70, 64, 200, 2), (2, 96, 200, 1), (9, 65, 130, 2)]
+    (16, 256, 1024, 1), (13, 100, 129, 1), (70, 64, 200, 2), (2, 96, 200, 1), (9, 65, 130, 2), (260, 32, 1100, 1)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
