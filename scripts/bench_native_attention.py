@@ -9,7 +9,7 @@ last-level cache, the pages then come from memory (one layer of 64 x 256 keys bf
 between calls), and the KV GB/s column says how near the kernel runs to the machine's memory bandwidth
 (this 2-core machine streams ~33 GB/s; 8 layers of 64 x 256 keys: bf16 19 GB/s, float32 24). Each timing
 is the median of --runs calls (blocked until ready); the JSON also has the minimum.
-FERRY_NATIVE_ATTENTION_THREADS=N caps the native kernel's threads (it uses XLA's intra-op pool by default).
+FERRY_NATIVE_ATTENTION_THREADS=N sets the native kernel's threads (by default XLA's intra-op pool's).
 """
 
 import argparse

@@ -41,8 +41,9 @@
 // elsewhere the portable loops, GCC's vectors. FERRY_NATIVE_NO_AVX512=1 takes the AVX2 code on an AVX-512
 // CPU (tests).
 // They are spread over XLA's intra-op thread pool (FFI ThreadPool context); the calling thread
-// takes items too, so the call never waits on a busy pool. FERRY_NATIVE_ATTENTION_THREADS=N caps
-// the number of threads (1 = serial); the result does not depend on it.
+// takes items too, so the call never waits on a busy pool. FERRY_NATIVE_ATTENTION_THREADS=N sets
+// the number of threads (1 = serial; above the pool's, the extra ones queue: tests); the result does
+// not depend on it.
 
 #include <algorithm>
 #include <atomic>
@@ -594,48 +595,97 @@ bool EnvIsOne(const char* name) {  // the tests' switches, read on every call
   return env != nullptr && *env == '1';
 }
 
-int MaxThreadsFromEnv() {  // read on every call (cheap next to the kernel), 0: no cap
+int ThreadsFromEnv() {  // read on every call (cheap next to the kernel), 0: unset
   const char* env = std::getenv("FERRY_NATIVE_ATTENTION_THREADS");
   if (env == nullptr || *env == '\0') return 0;
-  return std::max(1, std::atoi(env));
+  return std::clamp(std::atoi(env), 1, 64);
 }
 
-// Threads for a call: the pool's, capped by FERRY_NATIVE_ATTENTION_THREADS; 1 when `work` is under
-// `min_work` (a small call finishes before a woken thread would start).
+// Threads for a call: the pool's, or FERRY_NATIVE_ATTENTION_THREADS (more than the pool's: the tests' way
+// to have helpers start late, their items taken by the others); 1 when `work` is under `min_work` (a small
+// call finishes before a woken thread would start).
 int64_t ThreadsFor(const ffi::ThreadPool& pool, int64_t work, int64_t min_work) {
   if (work < min_work) return 1;
-  const int env = MaxThreadsFromEnv();
-  return env > 0 ? std::min<int64_t>(pool.num_threads(), env) : pool.num_threads();
+  const int env = ThreadsFromEnv();
+  return env > 0 ? env : pool.num_threads();
 }
 
+// ParallelFor's items in one contiguous range per thread, each thread taking its own from the front and,
+// once they are done, the others' from the back (the range with the most left). A thread's next item is
+// known when it starts one, so a kernel can ask for that item's data meanwhile (the matmul's next panel,
+// decode attention's next pages). With one counter for all, the guess "about `threads` items on" was wrong
+// for 20% of a model-b decode step's matmul items at 64 rows, whose panels then came cold from memory;
+// ranges ran 38 of 45 linears (16-512 rows, float32) faster, most by 3-10% (bench_native_matmul, both
+// schedules taking turns in one process; notes, session 25). A panel's row parts also stay on one thread.
+struct ItemRange {
+  std::atomic<uint64_t> bounds{0};  // front | back << 32: the items [front, back) not yet taken (< 2^32)
+  static uint64_t Pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32;
+  }
+  // Takes the front item (else the back one) into `item`; false when none is left.
+  bool Take(bool front, int64_t& item) {
+    uint64_t v = bounds.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t f = static_cast<int64_t>(v & 0xffffffffu), b = static_cast<int64_t>(v >> 32);
+      if (f >= b) return false;
+      if (bounds.compare_exchange_weak(v, front ? Pack(f + 1, b) : Pack(f, b - 1), std::memory_order_relaxed)) {
+        item = front ? f : b - 1;
+        return true;
+      }
+    }
+  }
+  int64_t Left() const {
+    const uint64_t v = bounds.load(std::memory_order_relaxed);
+    return static_cast<int64_t>(v >> 32) - static_cast<int64_t>(v & 0xffffffffu);
+  }
+};
+
+using ItemFn = void (*)(const void* ctx, int64_t item, int64_t next);  // next: this thread's likely next, or -1
+
 struct ParallelState {
-  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> threads{0};  // threads started (the caller first): each owns the range of its turn
   std::atomic<int64_t> done{0};
-  int64_t count = 0;
+  int64_t count = 0, ranges = 1;
+  std::unique_ptr<ItemRange[]> range;
   const void* ctx = nullptr;
-  void (*fn)(const void*, int64_t) = nullptr;
+  ItemFn fn = nullptr;
 };
 
 void DrainWork(ParallelState& st) {
+  // `ctx` may be gone once all items are done: never touch it after the last.
+  const int64_t own = st.threads.fetch_add(1, std::memory_order_relaxed);
+  int64_t item;
+  while (own < st.ranges && st.range[own].Take(true, item)) {
+    st.fn(st.ctx, item, st.range[own].Left() > 0 ? item + 1 : -1);
+    st.done.fetch_add(1, std::memory_order_release);
+  }
   for (;;) {
-    const int64_t i = st.next.fetch_add(1, std::memory_order_relaxed);
-    if (i >= st.count) return;  // `ctx` may be gone once all items are done: never touch it here
-    st.fn(st.ctx, i);
+    int64_t most = 0, from = -1;
+    for (int64_t r = 0; r < st.ranges; ++r) {
+      const int64_t left = st.range[r].Left();
+      if (left > most) most = left, from = r;
+    }
+    if (from < 0) return;
+    if (!st.range[from].Take(false, item)) continue;
+    st.fn(st.ctx, item, most > 1 ? item - 1 : -1);
     st.done.fetch_add(1, std::memory_order_release);
   }
 }
 
-// Runs fn(ctx, i) for i in [0, count) on the caller plus up to `helpers` pool threads. Helpers
-// that start late find no work left and return; the caller only waits for items in flight.
-void ParallelFor(ffi::ThreadPool* pool, int64_t count, int64_t helpers, const void* ctx,
-                 void (*fn)(const void*, int64_t)) {
+// Runs fn(ctx, i, next) for i in [0, count) on the caller plus up to `helpers` pool threads. Helpers
+// that start late find their range taken and return; the caller only waits for items in flight.
+void ParallelFor(ffi::ThreadPool* pool, int64_t count, int64_t helpers, const void* ctx, ItemFn fn) {
   helpers = std::min<int64_t>(helpers, count - 1);
   if (pool == nullptr || helpers <= 0) {
-    for (int64_t i = 0; i < count; ++i) fn(ctx, i);
+    for (int64_t i = 0; i < count; ++i) fn(ctx, i, i + 1 < count ? i + 1 : -1);
     return;
   }
   auto st = std::make_shared<ParallelState>();
   st->count = count;
+  st->ranges = helpers + 1;
+  st->range.reset(new ItemRange[st->ranges]);
+  for (int64_t r = 0; r < st->ranges; ++r)
+    st->range[r].bounds.store(ItemRange::Pack(r * count / st->ranges, (r + 1) * count / st->ranges));
   st->ctx = ctx;
   st->fn = fn;
   for (int64_t h = 0; h < helpers; ++h) pool->Schedule([st] { DrainWork(*st); });
@@ -643,21 +693,19 @@ void ParallelFor(ffi::ThreadPool* pool, int64_t count, int64_t helpers, const vo
   while (st->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
 }
 
-// In decode, each thread starting a tile asks for the first pages of the tile `lookahead` items on (about
-// the next one it takes, items being handed out in order): a tile's own prefetch only covers its later
-// pages. The decode GEMM tiles do it themselves, spread over their last chunks (Scratch::next_tile); the vector
-// tiles get them at once here. Not in prefill (lookahead 0), where a sequence's pages serve several
-// tiles: there it cost 10-15% of a 4 x 128-token chunk's attention.
+// In decode, each thread starting a tile asks for the first pages of the tile it takes next (ParallelFor's
+// `next`): a tile's own prefetch only covers its later pages. The decode GEMM tiles do it themselves, spread
+// over their last chunks (Scratch::next_tile); the vector tiles get them at once here. Not in prefill, where a
+// sequence's pages serve several tiles: there it cost 10-15% of a 4 x 128-token chunk's attention.
 template <typename P>
 struct TileWork {
   const P* problem;
   const std::vector<Tile>* tiles;
-  int64_t lookahead;
-  static void Run(const void* self, int64_t i) {
+  bool ask_next;  // decode
+  static void Run(const void* self, int64_t i, int64_t next_item) {
     const auto* w = static_cast<const TileWork*>(self);
     const std::vector<Tile>& tiles = *w->tiles;
-    const Tile* next = w->lookahead > 0 && i + w->lookahead < static_cast<int64_t>(tiles.size())
-                           ? &tiles[i + w->lookahead] : nullptr;
+    const Tile* next = w->ask_next && next_item >= 0 ? &tiles[next_item] : nullptr;
     const bool spreads = w->problem->tiles == TileKind::kDecodeAvx512 || w->problem->tiles == TileKind::kDecodeAvx2;
     Scratch& sc = ThreadScratch();
     sc.next_tile = spreads ? next : nullptr;
@@ -679,7 +727,7 @@ void RunTiles(ffi::ThreadPool& pool, const P& problem, const std::vector<Tile>& 
     work += t.nrows * t.nheads * std::max<int64_t>(t.first_pos + t.nrows, 1);
   work *= problem.g.group * problem.g.head_dim;
   const int64_t threads = ThreadsFor(pool, work, int64_t{1} << 20);
-  TileWork<P> w{&problem, &tiles, decode ? threads : 0};
+  TileWork<P> w{&problem, &tiles, decode};
   ParallelFor(&pool, static_cast<int64_t>(tiles.size()), threads - 1, &w, &TileWork<P>::Run);
 }
 
@@ -2470,15 +2518,14 @@ struct MatmulWork {
     if (part == row_parts) return problem->m;
     return std::min(problem->m, (part * problem->m / row_parts + kRowBlock / 2) / kRowBlock * kRowBlock);
   }
-  static void Run(const void* self, int64_t item) {
+  static void Run(const void* self, int64_t item, int64_t next_item) {
     const auto* w = static_cast<const MatmulWork*>(self);
 #ifdef FERRY_HAVE_AVX512_MATMUL
     if (w->tiles != nullptr) {
-      // Items go out in order: this thread's next is about `threads` on.
       const int64_t panel = item / w->row_parts, part = item % w->row_parts;
-      const int64_t next = (item + w->threads) / w->row_parts;
+      const int64_t next = next_item < 0 ? -1 : next_item / w->row_parts;  // its panel: asked for meanwhile
       return MatmulItemTiled(*w->problem, *static_cast<const PanelTiles*>(w->tiles), panel, w->PartRow(part),
-                             w->PartRow(part + 1), next != panel && next < w->Panels() ? next : -1);
+                             w->PartRow(part + 1), next != panel ? next : -1);
     }
 #endif
     const Matmul& p = *w->problem;
@@ -2702,7 +2749,7 @@ struct RmsNormWork {
   const RmsNorm* problem;
   bool bf16;
   bool avx512;  // else the portable rows (FERRY_NATIVE_MATMUL_GENERIC=1 in tests)
-  static void Run(const void* self, int64_t item) {
+  static void Run(const void* self, int64_t item, int64_t) {
     const auto* w = static_cast<const RmsNormWork*>(self);
     const int64_t r0 = item * kNormRowBlock, r1 = std::min(r0 + kNormRowBlock, w->problem->m);
 #ifdef FERRY_HAVE_AVX512_MATMUL
