@@ -645,8 +645,8 @@ using ItemFn = void (*)(const void* ctx, int64_t item, int64_t next);  // next: 
 struct ParallelState {
   std::atomic<int64_t> threads{0};  // threads started (the caller first): each owns the range of its turn
   std::atomic<int64_t> done{0};
-  int64_t count = 0, ranges = 1;
-  std::unique_ptr<ItemRange[]> range;
+  int64_t ranges = 1;
+  std::unique_ptr<ItemRange[]> range;  // [ranges]
   const void* ctx = nullptr;
   ItemFn fn = nullptr;
 };
@@ -681,7 +681,6 @@ void ParallelFor(ffi::ThreadPool* pool, int64_t count, int64_t helpers, const vo
     return;
   }
   auto st = std::make_shared<ParallelState>();
-  st->count = count;
   st->ranges = helpers + 1;
   st->range.reset(new ItemRange[st->ranges]);
   for (int64_t r = 0; r < st->ranges; ++r)
