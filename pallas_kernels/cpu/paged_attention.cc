@@ -297,7 +297,7 @@ struct Scratch {
   std::vector<float> q, acc, m, l, s, k, v;
   std::vector<int64_t> nk;
   std::vector<int32_t> lane_keys;  // PrefillTileAvx512: keys each query vector sees
-  const Tile* next_tile = nullptr;  // the decode GEMM tiles: the tile whose first pages to prefetch (TileWork)
+  const Tile* next_tile = nullptr;  // the AVX-512 decode tile: the tile whose first pages to prefetch (TileWork)
   void Reserve(int64_t rows, int64_t vecs, int64_t bs, int64_t d) {
     auto grow = [](auto& vec, int64_t n) {
       if (static_cast<int64_t>(vec.size()) < n) vec.resize(n);
@@ -693,9 +693,10 @@ void ParallelFor(ffi::ThreadPool* pool, int64_t count, int64_t helpers, const vo
 }
 
 // In decode, each thread starting a tile asks for the first pages of the tile it takes next (ParallelFor's
-// `next`): a tile's own prefetch only covers its later pages. The decode GEMM tiles do it themselves, spread
-// over their last chunks (Scratch::next_tile); the vector tiles get them at once here. Not in prefill, where a
-// sequence's pages serve several tiles: there it cost 10-15% of a 4 x 128-token chunk's attention.
+// `next`): a tile's own prefetch only covers its later pages. The AVX-512 decode tile does it itself, spread
+// over its last chunks (Scratch::next_tile); the vector tiles get them at once here; the AVX2 decode tile
+// asks for nothing (its pages come as runs the L2 prefetcher streams). Not in prefill, where a sequence's
+// pages serve several tiles: there it cost 10-15% of a 4 x 128-token chunk's attention.
 template <typename P>
 struct TileWork {
   const P* problem;
@@ -705,10 +706,10 @@ struct TileWork {
     const auto* w = static_cast<const TileWork*>(self);
     const std::vector<Tile>& tiles = *w->tiles;
     const Tile* next = w->ask_next && next_item >= 0 ? &tiles[next_item] : nullptr;
-    const bool spreads = w->problem->tiles == TileKind::kDecodeAvx512 || w->problem->tiles == TileKind::kDecodeAvx2;
+    const bool spreads = w->problem->tiles == TileKind::kDecodeAvx512;
     Scratch& sc = ThreadScratch();
     sc.next_tile = spreads ? next : nullptr;
-    if (next != nullptr && !spreads) {
+    if (next != nullptr && !spreads && w->problem->tiles != TileKind::kDecodeAvx2) {
       const Geometry& g = w->problem->g;
       TilePages(w->problem->tables, g, *next, TileKeys(g, *next))
           .PrefetchFirst(w->problem->k, w->problem->v, next->nheads * g.head_dim);
@@ -1771,14 +1772,18 @@ struct PrefillLanes {
 
 // ----------------------------------------------------------------------------- attention tiles (AVX2)
 
-// A decode tile on AVX2 (no AVX-512), DecodeTileAvx512's plan in 8-lane vectors: one query row, kv heads
-// head0.. of one sequence, G query vectors each taken two at a time (an odd G's last one paired with
-// itself, its twin's sums going to a spare slot). Per chunk of up to 16 keys of a page: the dot products
-// 4 keys x 2 vectors at a time (8 accumulators, reduced by a hadd tree to a lane per key), the online
-// softmax over the chunk with one horizontal max and sum per vector, then acc += P · V 32 features of both
-// vectors at a time, each V row read once for both. bfloat16 rows are widened 8 elements at a time, in
-// order. The vector-at-a-time tiles (GCC's vectors, a horizontal sum per key and a scalar softmax) took
-// 13% of model b's float32 run on a 2-core Zen 2 once its matmuls had AVX2 tiles.
+// A decode tile on AVX2 (no AVX-512): one query row, kv heads head0.. of one sequence, G query vectors each
+// taken two at a time (an odd G's last one paired with itself, its twin's sums going to a spare slot). Pages
+// are taken kDecodeGroupPages at a time and each is read in row order, row t of every page in turn: the
+// dot products 4 keys (row t of each page) x 2 vectors at a time (8 accumulators, reduced by a hadd tree to
+// a lane per key), the online softmax over the group's keys with one horizontal max and sum per vector, then
+// acc += P · V over the same rows, each V row read once for both vectors of a pair. bfloat16 rows are
+// widened 8 elements at a time. Zen 2 has ~22 L1 miss buffers, so software prefetch of one page at a time
+// (the tile before this one) read 16-17 GB/s of KV; four pages read in step are four runs the L2 prefetcher
+// streams: 8 layers of 64 sequences x 192 keys, float32, 11.7 -> 6.9 ms (17.2 -> 29.3 GB/s), bf16
+// 7.1 -> 5.5 ms; model b's float32 run +4% (notes, session 26). The vector-at-a-time tiles (GCC's vectors,
+// a horizontal sum per key and a scalar softmax) took 13% of model b's float32 run on a 2-core Zen 2 once
+// its matmuls had AVX2 tiles.
 FERRY_AVX2 FERRY_INLINE __m256 Row8(const float* row, int64_t c) { return _mm256_loadu_ps(row + 8 * c); }
 FERRY_AVX2 FERRY_INLINE __m256 Row8(const uint16_t* row, int64_t c) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * c));
@@ -1817,135 +1822,133 @@ FERRY_AVX2 FERRY_INLINE void ScaledRows8(const T* src, int64_t n, float scale, f
   for (; i < n; ++i) dst[i] = ToF32(src[i]) * scale;
 }
 
-// P·V of a decode tile's pair of query vectors over a chunk's kc keys, for kW vectors of features from
-// 8 cb: acc[v] = acc[v] * alpha[v] + sum_t w[v][t] V[t] (w: the pair's weights, `w_stride` apart). kW at
-// compile time keeps the 2 kW accumulators in registers: with a run-time width GCC stored all of them to
-// the stack after every key's FMAs.
-template <int kW, typename TKV>
-FERRY_AVX2 FERRY_INLINE void PairPv(float* const (&acc)[2], const float (&alpha)[2], const float* w,
-                                    int64_t w_stride, const TKV* vr, int64_t kv_row_stride, int64_t kc, int64_t cb) {
-  __m256 a[2][kW];
-  FERRY_UNROLL for (int v = 0; v < 2; ++v)
-    FERRY_UNROLL for (int u = 0; u < kW; ++u)
-      a[v][u] = _mm256_mul_ps(_mm256_loadu_ps(acc[v] + 8 * (cb + u)), _mm256_set1_ps(alpha[v]));
-  for (int64_t t = 0; t < kc; ++t) {
-    const __m256 b0 = _mm256_set1_ps(w[t]), b1 = _mm256_set1_ps(w[w_stride + t]);
-    const TKV* row = vr + t * kv_row_stride;
-    FERRY_UNROLL for (int u = 0; u < kW; ++u) {
-      const __m256 x = Row8(row, cb + u);
-      a[0][u] = _mm256_fmadd_ps(b0, x, a[0][u]);
-      a[1][u] = _mm256_fmadd_ps(b1, x, a[1][u]);
+constexpr int kDecodeGroupPages = 4;  // DecodeTileAvx2's pages read in step (the scores' 4 keys)
+
+// A group's pages for DecodeTileAvx2: page s's K and V rows (absent pages: the first page's, all masked) and
+// its keys (0: absent).
+template <typename TKV>
+struct PageGroup {
+  const TKV* k[kDecodeGroupPages];
+  const TKV* v[kDecodeGroupPages];
+  int32_t rows[kDecodeGroupPages];
+  int64_t row_stride;
+  PageGroup(const TKV* kc, const TKV* vc, const TilePages& pages, int64_t j0, int64_t kv_row_stride)
+      : row_stride(kv_row_stride) {
+    for (int s = 0; s < kDecodeGroupPages; ++s) {
+      const bool here = j0 + s < pages.count;
+      const int64_t offset = pages.Offset(here ? j0 + s : j0);
+      k[s] = kc + offset;
+      v[s] = vc + offset;
+      rows[s] = here ? static_cast<int32_t>(pages.Rows(j0 + s)) : 0;
     }
   }
-  FERRY_UNROLL for (int v = 0; v < 2; ++v)
-    FERRY_UNROLL for (int u = 0; u < kW; ++u) _mm256_storeu_ps(acc[v] + 8 * (cb + u), a[v][u]);
-}
+  int64_t Rows() const { return rows[0]; }  // the first page has the most
+  // Row t of page s (an absent row: the page's last present one, or row 0; masked in the softmax).
+  int64_t RowOffset(int s, int64_t t) const { return std::min<int64_t>(t, std::max(rows[s], 1) - 1) * row_stride; }
+  // Lanes present among keys 8 h.. (key 4 t + s: row t of page s).
+  FERRY_AVX2 __m256 Present(int64_t h) const {
+    const __m256i r = _mm256_setr_epi32(rows[0], rows[1], rows[2], rows[3], rows[0], rows[1], rows[2], rows[3]);
+    const __m256i t = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(2 * h)),
+                                       _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(r, t));
+  }
+};
+static_assert(kDecodeGroupPages == 4, "PageGroup::Present and the tile's 4-key dot products assume 4 pages");
 
 template <typename TQ, typename TKV, int64_t kD>
 FERRY_AVX2 void DecodeTileAvx2Of(const Problem<TQ, TKV>& p, const Tile& tile, Scratch& sc) {
-  constexpr int64_t kChunk = 16;  // keys per softmax step
   const Geometry& g = p.g;
-  const int64_t G = g.group, D = kD ? kD : g.head_dim, BS = g.block_size, NH = tile.nheads, C = D / 8;
+  const int64_t G = g.group, D = kD ? kD : g.head_dim, NH = tile.nheads, C = D / 8;
   const int64_t M = NH * G;  // query vectors: hh * G + gi; slot M: an odd G's twin
-  const int64_t keys = TileKeys(g, tile);
+  const int64_t GK = kDecodeGroupPages * g.block_size;  // a group's keys, 4 t + s: row t of page s
   const int64_t q_row_stride = g.num_q_heads * D, kv_row_stride = g.num_kv_heads * D;
-  sc.Reserve(1, M + 1, 2 * kChunk, D);
+  sc.Reserve(1, M + 1, (M + 1) * GK, D);
   float* qf = sc.q.data();
   float* acc = sc.acc.data();
   float* mx = sc.m.data();
   float* l = sc.l.data();
-  float* pw = sc.s.data();  // the pair's 2 x kChunk weights
-  const TQ* q_src = p.q + tile.row0 * q_row_stride + tile.head0 * G * D;
-  ScaledRows8(q_src, M * D, p.scale, qf);
+  float* w = sc.s.data();  // [slot][GK]: the group's scores, then its weights
+  ScaledRows8(p.q + tile.row0 * q_row_stride + tile.head0 * G * D, M * D, p.scale, qf);
   std::fill(acc, acc + (M + 1) * D, 0.0f);
   std::fill(mx, mx + M + 1, -std::numeric_limits<float>::infinity());
   std::fill(l, l + M + 1, 0.0f);
   const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
-  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  const TilePages pages(p.tables, g, tile, keys);
-  const Tile* next_tile = sc.next_tile;  // TileWork: the tile this thread likely takes next
-  const TilePages next_pages(p.tables, g, next_tile != nullptr ? *next_tile : tile,
-                             next_tile != nullptr ? TileKeys(g, *next_tile) : 0);
-  const int64_t next_heads = next_tile != nullptr ? next_tile->nheads : NH;
-  for (int64_t j = 0; j < pages.count; ++j) {
-    const int64_t n = pages.Rows(j), offset = pages.Offset(j);
-    // The next page (the last page: the next tile's first), a Next() at each 4 keys' dot products of each
-    // pair of query vectors. All of a float32 page's 512 lines at once (PrefetchAhead, 2 pages ahead) filled
-    // the load queue and held the tile up: 64 sequences x 208 keys, 8 layers, float32 (2-core Zen 2) 17.2 ->
-    // 12.5 ms, 12.7 -> 17.4 GB/s of KV (2 pages ahead 13.2 ms; a Next() per key of P·V 12.9).
-    const int64_t calls = (BS + 3) / 4 * NH * ((G + 1) / 2);
-    PageStream ahead = j + 1 < pages.count ? pages.Stream(p.k, p.v, j + 1, NH * D, calls)
-                                           : next_pages.Stream(p.k, p.v, 0, next_heads * D, calls);
-    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-      const int64_t kc = std::min(kChunk, n - c0), halves = (kc + 7) / 8;
+  const TilePages pages(p.tables, g, tile, TileKeys(g, tile));
+  for (int64_t j0 = 0; j0 < pages.count; j0 += kDecodeGroupPages) {
+    const PageGroup<TKV> group(p.k, p.v, pages, j0, kv_row_stride);
+    const int64_t rows = group.Rows(), vecs = (rows + 1) / 2;  // 8 keys (2 rows) a vector
+    for (int64_t t = 0; t < rows; ++t) {
+      const TKV* kr[kDecodeGroupPages];
+      FERRY_UNROLL for (int s = 0; s < kDecodeGroupPages; ++s) kr[s] = group.k[s] + group.RowOffset(s, t);
       for (int64_t hh = 0; hh < NH; ++hh) {
-        const TKV* kr = p.k + offset + c0 * kv_row_stride + hh * D;
-        const TKV* vr = p.v + offset + c0 * kv_row_stride + hh * D;
         for (int64_t gi = 0; gi < G; gi += 2) {
           const int64_t m0 = hh * G + gi, m1 = gi + 1 < G ? m0 + 1 : M;
           const float* q0 = qf + m0 * D;
           const float* q1 = qf + (gi + 1 < G ? m1 : m0) * D;
-          __m256 scores[2][2];  // [vector][keys 8 h..]
-          for (int64_t h = 0; h < halves; ++h) {
-            __m128 quarter[2][2];
-            for (int h4 = 0; h4 < 2; ++h4) {
-              ahead.Next();
-              // An absent key reads the last present row (masked below): no branch in the dot loop.
-              const TKV* rows[4];
-              FERRY_UNROLL for (int t = 0; t < 4; ++t)
-                rows[t] = kr + std::min<int64_t>(8 * h + 4 * h4 + t, kc - 1) * kv_row_stride;
-              __m256 dots[8];
-              FERRY_UNROLL for (int t = 0; t < 8; ++t) dots[t] = _mm256_setzero_ps();
-              for (int64_t c = 0; c < C; ++c) {
-                const __m256 a = _mm256_loadu_ps(q0 + 8 * c), b = _mm256_loadu_ps(q1 + 8 * c);
-                FERRY_UNROLL for (int t = 0; t < 4; ++t) {
-                  const __m256 kv = Row8(rows[t], c);
-                  dots[t] = _mm256_fmadd_ps(a, kv, dots[t]);
-                  dots[4 + t] = _mm256_fmadd_ps(b, kv, dots[4 + t]);
-                }
-              }
-              quarter[0][h4] = Sum4(dots);
-              quarter[1][h4] = Sum4(dots + 4);
+          __m256 dots[8];
+          FERRY_UNROLL for (int i = 0; i < 8; ++i) dots[i] = _mm256_setzero_ps();
+          for (int64_t c = 0; c < C; ++c) {
+            const __m256 a = _mm256_loadu_ps(q0 + 8 * c), b = _mm256_loadu_ps(q1 + 8 * c);
+            FERRY_UNROLL for (int s = 0; s < 4; ++s) {
+              const __m256 kv = Row8(kr[s] + hh * D, c);
+              dots[s] = _mm256_fmadd_ps(a, kv, dots[s]);
+              dots[4 + s] = _mm256_fmadd_ps(b, kv, dots[4 + s]);
             }
-            for (int v = 0; v < 2; ++v) scores[v][h] = _mm256_set_m128(quarter[v][1], quarter[v][0]);
           }
-          const int64_t slots[2] = {m0, m1};
-          float alpha[2];
-          for (int v = 0; v < 2; ++v) {
-            float* w = pw + kChunk * v;
-            __m256 chunk_max = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-            for (int64_t h = 0; h < halves; ++h) {
-              if (cap > 0.0f) {
-                _mm256_storeu_ps(w, scores[v][h]);
-                for (int t = 0; t < 8; ++t) w[t] = cap * Tanh(w[t] * inv_cap);
-                scores[v][h] = _mm256_loadu_ps(w);
-              }
-              const __m256 present = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(kc - 8 * h)), _CMP_LT_OQ);
-              scores[v][h] = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), scores[v][h],
-                                              present);
-              chunk_max = _mm256_max_ps(chunk_max, scores[v][h]);
-            }
-            const int64_t mi = slots[v];
-            const float old_max = mx[mi], new_max = std::max(old_max, Max8(chunk_max));
-            __m256 sum = _mm256_setzero_ps();
-            for (int64_t h = 0; h < halves; ++h) {
-              const __m256 e = Exp256NonPositive(_mm256_sub_ps(scores[v][h], _mm256_set1_ps(new_max)));
-              sum = _mm256_add_ps(sum, e);
-              _mm256_storeu_ps(w + 8 * h, e);
-            }
-            // 0 on the first keys (old max -inf), 1 while the max holds.
-            alpha[v] = new_max > old_max ? std::exp(old_max - new_max) : 1.0f;
-            mx[mi] = new_max;
-            l[mi] = l[mi] * alpha[v] + Sum8(sum);
+          _mm_storeu_ps(w + m0 * GK + 4 * t, Sum4(dots));
+          _mm_storeu_ps(w + m1 * GK + 4 * t, Sum4(dots + 4));
+        }
+      }
+    }
+    for (int64_t m = 0; m < M + G % 2; ++m) {  // the online softmax, each slot's scores into weights
+      float* wm = w + m * GK;
+      __m256 group_max = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t h = 0; h < vecs; ++h) {
+        if (cap > 0.0f)
+          for (int i = 0; i < 8; ++i) wm[8 * h + i] = cap * Tanh(wm[8 * h + i] * inv_cap);
+        const __m256 scores = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                                               _mm256_loadu_ps(wm + 8 * h), group.Present(h));
+        _mm256_storeu_ps(wm + 8 * h, scores);
+        group_max = _mm256_max_ps(group_max, scores);
+      }
+      const float old_max = mx[m], new_max = std::max(old_max, Max8(group_max));
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t h = 0; h < vecs; ++h) {
+        const __m256 e = Exp256NonPositive(_mm256_sub_ps(_mm256_loadu_ps(wm + 8 * h), _mm256_set1_ps(new_max)));
+        sum = _mm256_add_ps(sum, e);
+        _mm256_storeu_ps(wm + 8 * h, e);
+      }
+      if (new_max > old_max) {  // the sums so far to the new max (0 on the first keys: old max -inf)
+        const float alpha = std::exp(old_max - new_max);
+        l[m] *= alpha;
+        for (int64_t c = 0; c < C; ++c)
+          _mm256_storeu_ps(acc + m * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + m * D + 8 * c), _mm256_set1_ps(alpha)));
+      }
+      mx[m] = new_max;
+      l[m] += Sum8(sum);
+    }
+    for (int64_t t = 0; t < rows; ++t) {  // acc += P · V, a pair's accumulators loaded once per 4 keys
+      const TKV* vr[kDecodeGroupPages];
+      FERRY_UNROLL for (int s = 0; s < kDecodeGroupPages; ++s) vr[s] = group.v[s] + group.RowOffset(s, t);
+      for (int64_t hh = 0; hh < NH; ++hh) {
+        for (int64_t gi = 0; gi < G; gi += 2) {
+          const int64_t m0 = hh * G + gi, m1 = gi + 1 < G ? m0 + 1 : M;
+          __m256 w0[4], w1[4];
+          FERRY_UNROLL for (int s = 0; s < 4; ++s) {
+            w0[s] = _mm256_set1_ps(w[m0 * GK + 4 * t + s]);
+            w1[s] = _mm256_set1_ps(w[m1 * GK + 4 * t + s]);
           }
-          float* acc_pair[2] = {acc + m0 * D, acc + m1 * D};
-          for (int64_t cb = 0; cb < C; cb += 4) {  // 32 features of both accumulators at a time
-            switch (std::min<int64_t>(4, C - cb)) {
-              case 4: PairPv<4>(acc_pair, alpha, pw, kChunk, vr, kv_row_stride, kc, cb); break;
-              case 3: PairPv<3>(acc_pair, alpha, pw, kChunk, vr, kv_row_stride, kc, cb); break;
-              case 2: PairPv<2>(acc_pair, alpha, pw, kChunk, vr, kv_row_stride, kc, cb); break;
-              default: PairPv<1>(acc_pair, alpha, pw, kChunk, vr, kv_row_stride, kc, cb);
+          float* acc0 = acc + m0 * D;
+          float* acc1 = acc + m1 * D;
+          for (int64_t c = 0; c < C; ++c) {
+            __m256 a0 = _mm256_loadu_ps(acc0 + 8 * c), a1 = _mm256_loadu_ps(acc1 + 8 * c);
+            FERRY_UNROLL for (int s = 0; s < 4; ++s) {
+              const __m256 x = Row8(vr[s] + hh * D, c);
+              a0 = _mm256_fmadd_ps(w0[s], x, a0);
+              a1 = _mm256_fmadd_ps(w1[s], x, a1);
             }
+            _mm256_storeu_ps(acc0 + 8 * c, a0);
+            _mm256_storeu_ps(acc1 + 8 * c, a1);
           }
         }
       }
