@@ -1778,10 +1778,11 @@ struct PrefillLanes {
 // dot products 4 keys (row t of each page) x 2 vectors at a time (8 accumulators, reduced by a hadd tree to
 // a lane per key), the online softmax over the group's keys with one horizontal max and sum per vector, then
 // acc += P · V over the same rows, each V row read once for both vectors of a pair. bfloat16 rows are
-// widened 8 elements at a time. Zen 2 has ~22 L1 miss buffers, so software prefetch of one page at a time
-// (the tile before this one) read 16-17 GB/s of KV; four pages read in step are four runs the L2 prefetcher
-// streams: 8 layers of 64 sequences x 192 keys, float32, 11.7 -> 6.9 ms (17.2 -> 29.3 GB/s), bf16
-// 7.1 -> 5.5 ms; model b's float32 run +4% (notes, session 26). The vector-at-a-time tiles (GCC's vectors,
+// widened 8 elements at a time. Zen 2's ~22 L1 miss buffers held a page at a time with the next one
+// software-prefetched (this tile until session 26) to 16-17 GB/s of KV; four pages read in step are four runs
+// the L2 prefetcher streams: 8 layers of 64 sequences x 192 keys, float32, 11.7 -> 6.9 ms (17.2 -> 29.3
+// GB/s), bf16 7.1 -> 5.5 ms; model b's float32 run 1.04x (notes, session 26). The AVX-512 decode tile keeps
+// the page-at-a-time plan (not measured on such a CPU). The vector-at-a-time tiles (GCC's vectors,
 // a horizontal sum per key and a scalar softmax) took 13% of model b's float32 run on a 2-core Zen 2 once
 // its matmuls had AVX2 tiles.
 FERRY_AVX2 FERRY_INLINE __m256 Row8(const float* row, int64_t c) { return _mm256_loadu_ps(row + 8 * c); }
