@@ -706,10 +706,10 @@ struct TileWork {
     const auto* w = static_cast<const TileWork*>(self);
     const std::vector<Tile>& tiles = *w->tiles;
     const Tile* next = w->ask_next && next_item >= 0 ? &tiles[next_item] : nullptr;
-    const bool spreads = w->problem->tiles == TileKind::kDecodeAvx512;
+    const TileKind kind = w->problem->tiles;  // a decode call's: kVector, kDecodeAvx512 or kDecodeAvx2
     Scratch& sc = ThreadScratch();
-    sc.next_tile = spreads ? next : nullptr;
-    if (next != nullptr && !spreads && w->problem->tiles != TileKind::kDecodeAvx2) {
+    sc.next_tile = kind == TileKind::kDecodeAvx512 ? next : nullptr;
+    if (next != nullptr && kind == TileKind::kVector) {
       const Geometry& g = w->problem->g;
       TilePages(w->problem->tables, g, *next, TileKeys(g, *next))
           .PrefetchFirst(w->problem->k, w->problem->v, next->nheads * g.head_dim);
