@@ -40,6 +40,12 @@ class AttentionMetadata:
         return dataclasses.replace(self, slot_mapping=self.slot_mapping + offset * block_size,
                                    block_tables=self.block_tables + offset)
 
+    def last_rows_queried(self) -> "AttentionMetadata":
+        """The same step with one query per sequence, its last token's (the row its logits come from): decode
+        metadata over the same pages and lengths. slot_mapping stays [T], for every row's K/V write."""
+        num_seqs = self.context_lens.shape[0]
+        return dataclasses.replace(self, query_start_loc=jnp.arange(num_seqs + 1, dtype=jnp.int32), decode=True)
+
 
 jax.tree_util.register_dataclass(
     AttentionMetadata,

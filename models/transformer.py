@@ -216,11 +216,16 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, attention_impl):
-        """-> (the output projection, float32 at the model dtype's precision; the updated kv)."""
-        cfg, num_tokens = self.cfg, x.shape[0]
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, attention_impl, kept=None):
+        """-> (the output projection, float32 at the model dtype's precision; the updated kv).
+        `kept` (int32 [S]: one row per sequence, its last): every row writes its K/V, but only these rows
+        query, as decode rows do, and the output has only them."""
+        cfg = self.cfg
         q, k, v = self.project(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kept is not None:
+            q, md = q[kept], md.last_rows_queried()
+        num_tokens = q.shape[0]
         attend = functools.partial(_write_and_attend, cfg=cfg, attention_impl=attention_impl)
         if model_axis_size() > 1:
             # Per shard: its query heads, its KV heads, its pages. XLA cannot partition the kernels'
@@ -268,8 +273,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, cos, sin, kv, md, attention_impl):
-        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, attention_impl)
+    def __call__(self, x, cos, sin, kv, md, attention_impl, kept=None):
+        """`kept` (see Attention): the output has only those rows, and only they run past the K/V write."""
+        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, attention_impl, kept)
+        if kept is not None:
+            x = x[kept]
         hidden, x = self.post_attention_layernorm(x, attn_out)  # the residual add, then the norm
         return x + self.mlp(hidden), kv
 
@@ -324,22 +332,31 @@ class Transformer(nnx.Module):
         k_pages, v_pages = kv_cache
         num_blocks, block_size = k_pages.shape[1:3]
 
-        def layer_step(layer, carry, index):
+        def layer_step(layer, carry, index, kept=None):
             x, k_pool, v_pool = carry
             x, (k_pool, v_pool) = layer(x, cos, sin, (k_pool, v_pool),
-                                        md.for_layer(index, num_blocks, block_size), attention_impl)
+                                        md.for_layer(index, num_blocks, block_size), attention_impl, kept)
             return x, k_pool, v_pool
 
         # The real token rows and logits rows: a bucketed step's padding comes after them (its sequences start
         # at the end of the tokens), and packed kernels skip it.
         rows = md.query_start_loc[-1]
-        logits_rows = rows if len(logits_indices) == len(token_ids) else jnp.sum(md.query_start_loc[:-1] < rows)
+        all_logits = len(logits_indices) == len(token_ids)
+        logits_rows = rows if all_logits else jnp.sum(md.query_start_loc[:-1] < rows)
+        # A prompt's rows other than its last are only K/V for later tokens: past the last layer's K/V write
+        # they are never read, so that layer's query, output projection and MLP run on the logits rows alone
+        # (a sequence's last row each). A decode step's rows are all logits rows already.
+        last_step = None
+        if not (md.decode or all_logits):
+            last_step = functools.partial(layer_step, kept=logits_indices)
         # The cache rides in the carry as one pool of every layer's pages: each layer scatters into
         # it and its kernel reads it in place (a per-layer slice would copy the layer's pages).
         x, k_pool, v_pool = self.scan_layers(layer_step, (x, layer_pool(k_pages), layer_pool(v_pages)),
-                                             jnp.arange(cfg.num_layers), rows=rows)
+                                             jnp.arange(cfg.num_layers), rows=rows,
+                                             last=None if last_step is None else (last_step, logits_rows))
         new_cache = (k_pool.reshape(k_pages.shape), v_pool.reshape(v_pages.shape))
-        x = self.norm(x[logits_indices])  # only the rows we sample from (RMSNorm is per token)
+        # Only the rows we sample from (RMSNorm is per token): the last layer kept only them, or select them.
+        x = self.norm(x if last_step is not None else x[logits_indices])
         if cfg.tie_word_embeddings:
             logits = matmul(x.astype(self.dtype), self.embed_tokens.embedding[...], transpose_w=True)
         else:
@@ -356,21 +373,28 @@ class Transformer(nnx.Module):
         return logits, new_cache
 
 
-    def scan_layers(self, fn, carry, xs=None, rows=None):
+    def scan_layers(self, fn, carry, xs=None, rows=None, last=None):
         """`carry` through every layer in order, one traced layer (jax.lax.scan):
         fn(layer, carry, x) -> carry, where layer is a DecoderLayer holding that layer's parameters
         and x that layer's slice of `xs` (None: nothing). Per-layer modules (scan=False) run unrolled.
         `rows`: the real rows of the carried activations, for the packed kernels (Linear.rows).
+        `last` (last_fn, last_rows): the last layer runs last_fn(layer, carry, x) instead, outside the scan; its
+        rows past the query projection are last_rows (the fused QKV projection still reads `rows`).
 
         The scan's slice of a stacked array is a copy on XLA CPU: its library dots (YNNPACK) take
         static slices only, so every step copied each layer's weights (decode CPU time +35..39% at
         SmolLM2-135M's 30 x 576, batch 16, against per-layer arrays; jaxlib 0.10.2 and 0.11.2 alike).
         Packed kernels (pack_kernels: CPU, float32 or bfloat16) stay out of the scanned operands:
         the body closes over the whole stacks and each Linear's native stacked matmul reads its layer
-        where it lies. The small parameters (norms, biases) are still sliced; the norms run natively too."""
+        where it lies. The small parameters (norms, biases) are still sliced; the norms run natively too.
+        The layer outside the scan reads its parameters the same way (a dynamic index, as the scan does),
+        so no [num_layers - 1, ...] slice of the stacks is made."""
+        num_layers = self.cfg.num_layers
+        last_fn, last_rows = last if last is not None else (None, None)
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):
-                carry = fn(layer, carry, None if xs is None else xs[i])
+                is_last = last_fn is not None and i == num_layers - 1
+                carry = (last_fn if is_last else fn)(layer, carry, None if xs is None else xs[i])
             return carry
         kernels_in_place = layer_kernels_packed(self.layers)
         if kernels_in_place and model_axis_size() != 1:
@@ -380,24 +404,37 @@ class Transformer(nnx.Module):
             graphdef, kernels, stacked = nnx.split(self.layers, _is_kernel, ...)
         else:
             graphdef, stacked = nnx.split(self.layers)
-        num_layers = self.cfg.num_layers
 
-        def body(c, inputs):
-            # The barrier materialises this layer's sliced parameters once, so the matmuls stay
-            # library dots (left fusible, XLA CPU folds the scan's dynamic-slice into them, making
-            # them generic loops).
-            layer_state, x, index = jax.lax.optimization_barrier(inputs)
+        def layer_at(index, x, tail_rows=None):
+            """(layer `index`'s module, its slice of xs). The barrier materialises the sliced parameters once,
+            so the matmuls stay library dots (left fusible, XLA CPU folds the dynamic-slice into them, making
+            them generic loops)."""
+            layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stacked)
+            layer_state, x, index = jax.lax.optimization_barrier((layer_state, x, index))
             if not kernels_in_place:
-                return fn(nnx.merge(graphdef, layer_state), c, x), None
+                return nnx.merge(graphdef, layer_state), x
             layer = nnx.merge(graphdef, kernels, layer_state)
-            for _, module in nnx.iter_modules(layer):
+            for path, module in nnx.iter_modules(layer):
                 if isinstance(module, Linear):
-                    module.layer, module.rows = index, rows
+                    after_query = tail_rows is not None and path[-1] != "qkv_proj"
+                    module.layer, module.rows = index, tail_rows if after_query else rows
                 elif isinstance(module, RMSNorm):
                     module.native_kernel = True
+            return layer, x
+
+        def body(c, inputs):
+            layer, x = layer_at(*inputs)
             return fn(layer, c, x), None
 
-        return jax.lax.scan(body, carry, (stacked, xs, jnp.arange(num_layers, dtype=jnp.int32)))[0]
+        scanned = num_layers - (last_fn is not None)
+        indices = jnp.arange(num_layers, dtype=jnp.int32)
+        head = None if xs is None else jax.tree.map(lambda a: a[:scanned], xs)
+        carry = jax.lax.scan(body, carry, (indices[:scanned], head))[0]
+        if last_fn is None:
+            return carry
+        tail = None if xs is None else jax.tree.map(lambda a: a[num_layers - 1], xs)
+        layer, x = layer_at(indices[num_layers - 1], tail, last_rows)
+        return last_fn(layer, carry, x)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

@@ -9,6 +9,7 @@ buffer (checked by pointer) here, so an element it never writes fails the finite
 rows that attend to nothing (context 0, prefill padding) must be exactly zero.
 """
 
+import collections
 import functools
 import os
 
@@ -605,18 +606,23 @@ def test_scanned_layers_read_packed_kernels_in_place(seed, dtype):
         lines = model_step.lower(*args(layout, packed_state)).compile().as_text().splitlines()
         call_lines = [line for line in lines if "ferry_stacked_matmul" in line and "custom-call(" in line]
         calls = [line.split("operand_layout_constraints")[1] for line in call_lines]
-        assert len(calls) == 5, calls  # the layers' four linears and the LM head (a stack of one)
+        # The layers' four linears and the LM head (a stack of one); a prefill step runs its last layer apart,
+        # past the QKV projection on its logits rows alone (one per sequence): four more, three on x [S, K].
+        apart = not layout.decode
+        assert len(calls) == 5 + 4 * apart, calls
+        x_rows = collections.Counter(int(line.split("[")[1].split(",")[0]) for line in calls)
+        assert x_rows == ({16: 5, 4: 4} if apart else {4: 5}), x_rows
         # Each takes the step's real rows (its last operand) from the buffer, not a constant: padding skipped
         rows_operands = [line.split("custom-call(")[1].split(")")[0].split(", ")[-1] for line in call_lines]
         assert not [r for r in rows_operands if r.startswith("%constant")], rows_operands
-        assert sum(f"{dt}[{cfg.num_layers}," in line for line in calls) == 4, calls
+        assert sum(f"{dt}[{cfg.num_layers}," in line for line in calls) == 4 + 4 * apart, calls
         assert sum(f"{dt}[1," in line for line in calls) == 1, calls
         copies = [line for line in lines if ("dynamic-slice(" in line or " copy(" in line or " convert(" in line)
                   and any(s in line.split("=")[1].split("{")[0] for s in kernel_shapes)]
         assert not copies, copies
         # Each layer's two norms: one native call each, the second with the residual add before it
         for target in ("ferry_rms_norm", "ferry_add_rms_norm"):
-            assert sum(f'custom_call_target="{target}"' in line for line in lines) == 1, target
+            assert sum(f'custom_call_target="{target}"' in line for line in lines) == 1 + apart, target
         # The head's float32 sums leave the kernel at bf16's precision: no bf16 logits array, no converts
         bf16_logits = [line for line in lines if f"bf16[{layout.num_logits},{cfg.vocab_size}]" in line]
         assert not bf16_logits, bf16_logits

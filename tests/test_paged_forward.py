@@ -14,7 +14,7 @@ from models.config import ModelConfig
 from models.loading import random_model
 from models.paged import init_kv_cache
 
-CFG = ModelConfig(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
+CFG = ModelConfig(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=8)
 BLOCK = 4
 
@@ -97,3 +97,54 @@ def test_float32_model_over_bfloat16_cache():
     for a, b in zip(got.prompt_logits + got.step_logits, ref.prompt_logits + ref.step_logits):
         assert a.dtype == np.float32 and rel_err(a, b) < 1e-5
     assert got.tokens == ref.tokens
+
+
+def _model_form(form, cfg, dtype, seed):
+    """random_model's scanned layers, the same with its kernels packed (as the engine does on CPU), or unrolled."""
+    from flax import nnx  # noqa: PLC0415
+
+    from models.loading import LoadedModel  # noqa: PLC0415
+    from models.transformer import Transformer, pack_kernels  # noqa: PLC0415
+
+    if form == "unrolled":
+        graphdef, state = nnx.split(Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), scan=False))
+        return LoadedModel(cfg, graphdef, state, cfg.max_position_embeddings)
+    model = random_model(cfg, dtype, seed=seed)
+    if form == "packed":
+        model = dataclasses.replace(model, state=pack_kernels(model.graphdef, model.state))
+    return model
+
+
+@pytest.mark.parametrize("form,dtype,impl", [
+    ("scanned", jnp.float32, "reference"), ("packed", jnp.float32, "native"), ("packed", jnp.bfloat16, "native"),
+    ("unrolled", jnp.float32, "native"), ("scanned", jnp.float32, "pallas_interpret"),
+])
+def test_last_layer_runs_the_logits_rows_alone(form, dtype, impl):
+    """A step taking one logits row per sequence (the engine's prefill and mixed steps) runs its last layer
+    past the K/V write on those rows alone (Transformer.__call__). Its logits are those rows' logits from the
+    same step taking every row's (where every row runs every layer), and its cache is that step's, bit for
+    bit, the last layer's K/V included. The step mixes a decode row, a prompt's first chunk, a later chunk,
+    and a padding sequence, over a cache of random earlier K/V."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    model = _model_form(form, CFG, dtype, seed)
+    tokens = lambda n: rng.integers(0, CFG.vocab_size, n).tolist()  # noqa: E731
+    seqs = [SeqSlice(tokens(1), 9, [4, 11, 6]),          # a decode row after 9 cached tokens
+            SeqSlice(tokens(7), 0, [2, 8]),              # a prompt's first chunk (not its last)
+            SeqSlice(tokens(6), 5, [13, 1, 7])]          # a prompt's second chunk, after 5 cached tokens
+    shape = (CFG.num_layers, 16, BLOCK, CFG.num_kv_heads, CFG.head_dim)
+    earlier = [rng.normal(size=shape).astype(np.float32) for _ in range(2)]
+    last_rows = np.cumsum([len(s.token_ids) for s in seqs]) - 1
+
+    def run(layout, all_logits):
+        cache = tuple(jnp.asarray(pages, dtype) for pages in earlier)
+        buf = pack(seqs, layout, BLOCK, all_logits=all_logits)
+        logits, cache = model_step(model.graphdef, model.state, cache, buf, layout, impl)
+        return np.asarray(logits, np.float32), [np.asarray(pages.astype(jnp.float32)) for pages in cache]
+
+    got, got_cache = run(StepLayout(16, 4, 3, 4, decode=False), all_logits=False)
+    want, want_cache = run(StepLayout(16, 4, 3, 16, decode=False), all_logits=True)
+    # bf16: the last layer's attention by the decode kernel, rounded to bf16 apart from the prefill kernel's
+    assert rel_err(got[:len(seqs)], want[last_rows]) < (1e-5 if dtype == jnp.float32 else 2e-2)
+    for a, b in zip(got_cache, want_cache):  # but the null block, where padding rows write what they hold
+        np.testing.assert_array_equal(a[:, 1:], b[:, 1:])
