@@ -196,6 +196,15 @@ def apply_rope(x, cos, sin):
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeptRows:
+    """The rows a layer keeps past its K/V write (the last layer of a prefill or mixed step): whoever selects
+    them tells the linears that read them their real rows (Linear.rows)."""
+
+    indices: jax.Array  # int32 [S]: each sequence's last token row, the real sequences first
+    real: jax.Array     # int32 []: the real sequences among them (the rest are a bucket's padding)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs):
         self.cfg = cfg
@@ -218,13 +227,14 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, kv, md: AttentionMetadata, attention_impl, kept=None):
         """-> (the output projection, float32 at the model dtype's precision; the updated kv).
-        `kept` (int32 [S]: one row per sequence, its last): every row writes its K/V, but only these rows
-        query, as decode rows do, and the output has only them."""
+        `kept` (KeptRows): every row writes its K/V, but only the kept rows query, as decode rows do, and the
+        output has only them."""
         cfg = self.cfg
         q, k, v = self.project(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kept is not None:
-            q, md = q[kept], md.last_rows_queried()
+            q, md = q[kept.indices], md.last_rows_queried()
+            self.o_proj.rows = kept.real
         num_tokens = q.shape[0]
         attend = functools.partial(_write_and_attend, cfg=cfg, attention_impl=attention_impl)
         if model_axis_size() > 1:
@@ -277,7 +287,10 @@ class DecoderLayer(nnx.Module):
         """`kept` (see Attention): the output has only those rows, and only they run past the K/V write."""
         attn_out, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, attention_impl, kept)
         if kept is not None:
-            x = x[kept]
+            x = x[kept.indices]
+            for _, module in nnx.iter_modules(self.mlp):
+                if isinstance(module, Linear):
+                    module.rows = kept.real
         hidden, x = self.post_attention_layernorm(x, attn_out)  # the residual add, then the norm
         return x + self.mlp(hidden), kv
 
@@ -348,12 +361,12 @@ class Transformer(nnx.Module):
         # (a sequence's last row each). A decode step's rows are all logits rows already.
         last_step = None
         if not (md.decode or all_logits):
-            last_step = functools.partial(layer_step, kept=logits_indices)
+            last_step = functools.partial(layer_step, kept=KeptRows(logits_indices, logits_rows))
         # The cache rides in the carry as one pool of every layer's pages: each layer scatters into
         # it and its kernel reads it in place (a per-layer slice would copy the layer's pages).
         x, k_pool, v_pool = self.scan_layers(layer_step, (x, layer_pool(k_pages), layer_pool(v_pages)),
                                              jnp.arange(cfg.num_layers), rows=rows,
-                                             last=None if last_step is None else (last_step, logits_rows))
+                                             last=last_step)
         new_cache = (k_pool.reshape(k_pages.shape), v_pool.reshape(v_pages.shape))
         # Only the rows we sample from (RMSNorm is per token): the last layer kept only them, or select them.
         x = self.norm(x if last_step is not None else x[logits_indices])
@@ -378,8 +391,7 @@ class Transformer(nnx.Module):
         fn(layer, carry, x) -> carry, where layer is a DecoderLayer holding that layer's parameters
         and x that layer's slice of `xs` (None: nothing). Per-layer modules (scan=False) run unrolled.
         `rows`: the real rows of the carried activations, for the packed kernels (Linear.rows).
-        `last` (last_fn, last_rows): the last layer runs last_fn(layer, carry, x) instead, outside the scan; its
-        rows past the query projection are last_rows (the fused QKV projection still reads `rows`).
+        `last`: the last layer runs last(layer, carry, x) instead of fn, outside the scan.
 
         The scan's slice of a stacked array is a copy on XLA CPU: its library dots (YNNPACK) take
         static slices only, so every step copied each layer's weights (decode CPU time +35..39% at
@@ -390,11 +402,10 @@ class Transformer(nnx.Module):
         The layer outside the scan reads its parameters the same way (a dynamic index, as the scan does),
         so no [num_layers - 1, ...] slice of the stacks is made."""
         num_layers = self.cfg.num_layers
-        last_fn, last_rows = last if last is not None else (None, None)
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):
-                is_last = last_fn is not None and i == num_layers - 1
-                carry = (last_fn if is_last else fn)(layer, carry, None if xs is None else xs[i])
+                is_last = last is not None and i == num_layers - 1
+                carry = (last if is_last else fn)(layer, carry, None if xs is None else xs[i])
             return carry
         kernels_in_place = layer_kernels_packed(self.layers)
         if kernels_in_place and model_axis_size() != 1:
@@ -405,7 +416,7 @@ class Transformer(nnx.Module):
         else:
             graphdef, stacked = nnx.split(self.layers)
 
-        def layer_at(index, x, tail_rows=None):
+        def layer_at(index, x):
             """(layer `index`'s module, its slice of xs). The barrier materialises the sliced parameters once,
             so the matmuls stay library dots (left fusible, XLA CPU folds the dynamic-slice into them, making
             them generic loops)."""
@@ -414,10 +425,9 @@ class Transformer(nnx.Module):
             if not kernels_in_place:
                 return nnx.merge(graphdef, layer_state), x
             layer = nnx.merge(graphdef, kernels, layer_state)
-            for path, module in nnx.iter_modules(layer):
+            for _, module in nnx.iter_modules(layer):
                 if isinstance(module, Linear):
-                    after_query = tail_rows is not None and path[-1] != "qkv_proj"
-                    module.layer, module.rows = index, tail_rows if after_query else rows
+                    module.layer, module.rows = index, rows
                 elif isinstance(module, RMSNorm):
                     module.native_kernel = True
             return layer, x
@@ -426,15 +436,15 @@ class Transformer(nnx.Module):
             layer, x = layer_at(*inputs)
             return fn(layer, c, x), None
 
-        scanned = num_layers - (last_fn is not None)
+        scanned = num_layers - (last is not None)
         indices = jnp.arange(num_layers, dtype=jnp.int32)
         head = None if xs is None else jax.tree.map(lambda a: a[:scanned], xs)
         carry = jax.lax.scan(body, carry, (indices[:scanned], head))[0]
-        if last_fn is None:
+        if last is None:
             return carry
         tail = None if xs is None else jax.tree.map(lambda a: a[num_layers - 1], xs)
-        layer, x = layer_at(indices[num_layers - 1], tail, last_rows)
-        return last_fn(layer, carry, x)
+        layer, x = layer_at(indices[num_layers - 1], tail)
+        return last(layer, carry, x)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
