@@ -1,6 +1,6 @@
 # The two set-up commands of the README: `make serve` (the OpenAI-compatible server on SmolLM2-135M-Instruct;
-# `make serve MODEL=models/default` for the embedded 5M demo model) and `make test` (the test suite). Each
-# creates the virtual environment it needs first.
+# `make serve MODEL=models/default` for the embedded 5M demo model) and `make test` (ruff, then the test suite).
+# Each creates the virtual environment it needs first.
 # `make test-jax011` runs the kernel, lowering and model tests in a second, torch-free environment:
 # Python 3.12 (pyenv's) with jax 0.11.2, the release on the GPU machine.
 PYTHON ?= python3
@@ -31,11 +31,12 @@ $(VENV)/.installed-test: pyproject.toml setup.py | $(VENV)/bin/python
 PYTHON312 ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12)),python3.12)
 VENV_JAX011 ?= .venv-jax011
 JAX011 = jax==0.11.2 jaxlib==0.11.2
-# Test files needing no torch; modules that import tests/hf_models.py skip themselves (by reason).
+# Test files needing no torch; modules that import tests/helpers/hf_models.py skip themselves (by reason).
 # The device-check smoke tests (scripts, same kernels) run in `make test` only, for CI time.
-JAX011_TESTS ?= tests/test_kernels.py tests/test_native_kernel.py tests/test_cuda_lowering.py \
-	tests/test_tpu_kernel.py tests/test_paged_forward.py tests/test_models.py \
-	tests/test_jax_triton_call.py
+JAX011_TESTS ?= tests/pallas_kernels/test_kernels.py tests/pallas_kernels/test_native_kernel.py \
+	tests/pallas_kernels/test_native_matmul.py tests/pallas_kernels/test_cuda_lowering.py \
+	tests/pallas_kernels/test_tpu_kernel.py tests/pallas_kernels/test_jax_triton_call.py \
+	tests/models/test_paged_forward.py tests/models/test_models.py
 
 $(VENV_JAX011)/bin/python:
 	$(PYTHON312) -m venv $(VENV_JAX011)
@@ -45,11 +46,14 @@ $(VENV_JAX011)/.installed: pyproject.toml setup.py | $(VENV_JAX011)/bin/python
 	$(VENV_JAX011)/bin/python -m pip install -q -e ".[test-core,triton-kernels]" $(JAX011)
 	touch $@
 
-.PHONY: serve test test-jax011
+.PHONY: serve test lint test-jax011
 serve: $(VENV)/.installed-serve
-	$(VENV)/bin/python -m engine.serve --model=$(MODEL) --host=$(HOST) --port=$(PORT) $(SERVE_FLAGS)
+	$(VENV)/bin/python -m engine.entrypoints.serve --model=$(MODEL) --host=$(HOST) --port=$(PORT) $(SERVE_FLAGS)
 
-test: $(VENV)/.installed-test
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(VENV)/bin/python -m pytest -q tests
 
 test-jax011: $(VENV_JAX011)/.installed

@@ -1,11 +1,10 @@
 """Builds Ferry's native CPU attention library; all other metadata lives in pyproject.toml.
 
-The library (pallas_kernels/cpu/_ferry_cpu_attention.so) is a plain shared library loaded with
-ctypes and registered as an XLA FFI target, not a Python extension module: its name carries no
-Python ABI tag, and it is compiled by pallas_kernels/native.py's own command (the one the
-first-use fallback runs), with the XLA FFI headers of the jaxlib in the build environment
-(jax.ffi.include_dir()). `pip install .` puts it in the wheel; `pip install -e .` builds it in
-place next to native.py.
+The library (pallas_kernels/native/_ferry_native.so) is a plain shared library loaded with ctypes, whose
+targets are registered with XLA's FFI, not a Python extension module: its name carries no Python ABI tag, and
+it is compiled by pallas_kernels/native/library.py's own command (the one the first-use fallback runs), with the
+XLA FFI headers of the jaxlib in the build environment (jax.ffi.include_dir()). `pip install .` puts it in the
+wheel; `pip install -e .` builds it in place next to its sources.
 
 If the build environment has no jax or no C++ compiler, the library is skipped with a warning
 (native.py then builds it on first use, or the dispatch uses the reference); set
@@ -21,14 +20,14 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-EXT_NAME = "pallas_kernels.cpu._ferry_cpu_attention"
-SOURCE = "pallas_kernels/cpu/paged_attention.cc"
+EXT_NAME = "pallas_kernels.native._ferry_native"
+SOURCE = "pallas_kernels/native/ferry_native.cc"
 
 
 def _load_native():
-    """pallas_kernels/native.py as a standalone module (the package itself is not installed yet)."""
-    spec = importlib.util.spec_from_file_location("_ferry_native_build", ROOT / "pallas_kernels"
-                                                  / "native.py")
+    """pallas_kernels/native/library.py as a standalone module (the package itself is not installed yet)."""
+    spec = importlib.util.spec_from_file_location("_ferry_native_build", ROOT / "pallas_kernels" / "native"
+                                                  / "library.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -57,7 +56,7 @@ class BuildFerryNative(build_ext):
             if os.environ.get("FERRY_REQUIRE_NATIVE") == "1":
                 raise RuntimeError(f"cannot build the native attention library: {missing}")
             self.warn(f"skipping the native attention library: {missing}; it is built on first "
-                      f"use instead (python -m pallas_kernels.native --build)")
+                      f"use instead (python -m pallas_kernels.native.library --build)")
             self.extensions = [e for e in self.extensions if e.name != EXT_NAME]
         super().run()
 
@@ -73,5 +72,5 @@ class BuildFerryNative(build_ext):
 setup(
     ext_modules=[Extension(EXT_NAME, sources=[SOURCE], optional=True)],
     cmdclass={"build_ext": BuildFerryNative},
-    package_data={"pallas_kernels": ["cpu/*.cc"]},  # the source, for the first-use build
+    package_data={"pallas_kernels": ["native/*.cc", "native/*.h"]},  # the sources, for the first-use build
 )

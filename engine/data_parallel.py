@@ -12,10 +12,12 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from engine.engine import EngineConfig, LLMEngine, RequestOutput, model_tokenizer
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, model_tokenizer
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from models.loading import LoadedModel, load_model
-from models.tokenizer import Tokenizer
+from models.tokenizers.tokenizer import Tokenizer
 
 # Scheduler.stats() entries that are fractions: combined weighted by each replica's pool, not summed.
 _FRACTIONS = ("kv_usage", "host_usage")
@@ -55,7 +57,8 @@ class DataParallelEngine:
         self.replicas = [LLMEngine(model, _replica_config(config, i), tokenizer, devices=group)
                          for i, group in enumerate(groups)]
         first = self.replicas[0]
-        self.config, self.tokenizer, self.model, self.max_model_len = config, tokenizer, first.model, first.max_model_len
+        self.config, self.tokenizer, self.model = config, tokenizer, first.model
+        self.max_model_len = first.max_model_len
         self._replica_of: dict[str, LLMEngine] = {}
         self._ids = itertools.count()
         self._pool = concurrent.futures.ThreadPoolExecutor(len(self.replicas), thread_name_prefix="ferry-replica")

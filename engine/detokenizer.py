@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from models.tokenizer import Tokenizer
+from models.tokenizers.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoders give for bytes that are not (yet) a whole UTF-8 character
 # Prompt tokens decoded as context in front of the first output token. More than 3: an incomplete UTF-8

@@ -2,7 +2,7 @@
 
 The engine core (`LLMEngine.step_core`) advances requests by token ids only and reports each step as a
 `StepNews` snapshot: plain values, no live Request. Everything text-shaped happens here, on those snapshots,
-so it can run on another thread (the server's output thread, engine/engine_loop.py) while the core plans
+so it can run on another thread (the server's output thread, engine/entrypoints/engine_loop.py) while the core plans
 and runs the next step: the core never waits on text. `LLMEngine.step()` runs both, one after the other.
 
 A stop string is found here, after the core has moved on: the sample ends at once in its outputs (its
@@ -18,31 +18,9 @@ import time
 from collections.abc import Iterator
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from models.tokenizer import Tokenizer
-
-
-@dataclasses.dataclass(slots=True)
-class CompletionOutput:
-    index: int                             # which of the request's n samples
-    text: str                              # in a step's delta: the new text; in a final output: all of it
-    token_ids: list[int]
-    finish_reason: str | None = None       # "stop", "length", "abort", "error"
-    logprobs: list[dict[int, float]] | None = None  # per token: {id: logprob} of the sampled and top ids
-    stop_reason: str | int | None = None   # the stop string or token id that ended it
-
-
-@dataclasses.dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    metrics: dict = dataclasses.field(default_factory=dict)
-    error: str | None = None               # set when the request failed (finish_reason "error"); others go on
-
+from models.tokenizers.tokenizer import Tokenizer
 
 # ------------------------------------------------------------------ core -> output side
 
@@ -50,14 +28,14 @@ class RequestOutput:
 # samples; token_id: the output token it gained; logprob: (logprob of token_id, [(id, logprob), ...] top-k) when
 # it asks for logprobs, else None; finish_reason: the core's finish, "stop" (EOS, stop id, grammar) or "length",
 # else None). A plain tuple: the core builds one per running request per step, and a class's constructor
-# costs five times a tuple's (0.25 ms a step at batch 512).
+# costs several times a tuple's.
 SampleNews = tuple[str, int, int, tuple | None, str | None]
 
 
 @dataclasses.dataclass(slots=True)
 class StepNews:
     samples: list[SampleNews]              # every sample that gained a token, in step order, but `decoded`'s
-    prompt_logprobs: dict[str, tuple]      # request id -> this step's scored prompt rows (RunnerOutput's)
+    prompt_logprobs: dict[str, tuple]      # request id -> this step's scored prompt rows (ModelRunnerOutput's)
     errors: dict[str, str]                 # request id -> why the core failed it (every sample ends "error")
     trace: list                            # the scheduler's decisions this step: [(phase, info), ...]
     finished_at: float                     # time.monotonic() when the core step ended

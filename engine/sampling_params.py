@@ -42,7 +42,8 @@ class StructuredOutputsParams:
         given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
         _require(len(given) == 1, "structured_outputs",
                  f"structured_outputs takes exactly one of {', '.join(STRUCTURED_KINDS)}; got {given or 'none'}")
-        _require(isinstance(self.json_object, bool), "structured_outputs", "structured_outputs.json_object must be a boolean")
+        _require(isinstance(self.json_object, bool), "structured_outputs",
+                 "structured_outputs.json_object must be a boolean")
         _require(self.json is None or isinstance(self.json, dict | str), "structured_outputs",
                  "structured_outputs.json must be a JSON schema (an object or its JSON text)")
         for kind in ("regex", "grammar"):
@@ -151,7 +152,8 @@ class SamplingParams:
     def _validate_stops(self):
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
                  f"stop strings must be non-empty strings, got {self.stop[:8]!r}")
-        _require(all(is_valid_unicode(s) for s in self.stop), "stop", "stop strings must be valid Unicode (no lone surrogates)")
+        _require(all(is_valid_unicode(s) for s in self.stop), "stop",
+                 "stop strings must be valid Unicode (no lone surrogates)")
         _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                  f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -160,7 +162,8 @@ class SamplingParams:
     def _validate_flags(self):
         _require(_is_int(self.priority), "priority", f"priority must be an int32 integer, got {self.priority!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            _require(isinstance(getattr(self, name), bool), name, f"{name} must be a boolean, got {getattr(self, name)!r}")
+            _require(isinstance(getattr(self, name), bool), name,
+                     f"{name} must be a boolean, got {getattr(self, name)!r}")
 
 
 def _is_int(value, maximum: int = INT32_MAX) -> bool:

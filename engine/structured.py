@@ -20,9 +20,9 @@ import threading
 import llguidance
 import numpy as np
 
-from engine.sampler import mask_words
 from engine.sampling_params import SamplingParamsError, StructuredOutputsParams
-from models.tokenizer import HFTokenizer, Tokenizer
+from engine.worker.sampler import mask_words
+from models.tokenizers.tokenizer import HFTokenizer, Tokenizer
 
 # Compact JSON as json.dumps writes it: no free whitespace, which a sampled model could otherwise fill forever.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -99,7 +99,8 @@ class GrammarCompiler:
                       eos_token_ids: tuple[int, ...]) -> "GrammarCompiler":
         eos = list(eos_token_ids or tokenizer.eos_token_ids)
         if not eos:
-            raise SamplingParamsError("structured_outputs", "structured outputs need an EOS token, and this model has none")
+            raise SamplingParamsError("structured_outputs",
+                                      "structured outputs need an EOS token, and this model has none")
         if not isinstance(tokenizer, HFTokenizer):
             # A sentencepiece vocabulary handed to llguidance piece by piece (TokenizerWrapper) gave masks
             # that allowed tokens the grammar then rejected (its byte pieces duplicate other pieces' bytes).

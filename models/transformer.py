@@ -2,7 +2,8 @@
 
 Module and attribute names follow Hugging Face's (`layers.self_attn.o_proj`), so checkpoint
 names map onto the parameter tree mechanically (models/loading.py), except that q/k/v and gate/up
-are fused, one matmul each (`qkv_proj`, `gate_up_proj`; FUSED_PROJECTIONS says what each holds). The decoder layers are ONE
+are fused, one matmul each (`qkv_proj`,
+                            `gate_up_proj`; FUSED_PROJECTIONS says what each holds). The decoder layers are ONE
 `DecoderLayer` whose parameters carry a leading [num_layers] axis, run by `jax.lax.scan`: the step
 traces and compiles one layer, so start-up cost does not grow with depth. The forward pass is paged:
 it writes this step's K/V into the cache and attends through block tables (models/paged.py).
@@ -10,7 +11,6 @@ it writes this step's K/V into the cache and attends through block tables (model
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +18,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
-from models.paged import AttentionMetadata, KVCache, layer_pool, write_kv
-from models.sharding import HEADS_SPEC, KV_POOL_SPEC, MODEL_AXIS, fused_groups, model_axis_size, split_columns
-from pallas_kernels import native
+from models.mesh import HEADS_SPEC, KV_POOL_SPEC, MODEL_AXIS, fused_groups, model_axis_size, split_columns
+from models.paged import AttentionMetadata, KVCache, layer_pool
+from pallas_kernels import ops
 from pallas_kernels.attention import paged_attention
+from pallas_kernels.kernels import Kernels
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -50,87 +51,73 @@ def split_fused(y, widths: tuple[int, ...]) -> list:
     return split_columns(y, widths, fused_groups(widths, model_axis_size()))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ForwardContext:
+    """What a module's call needs besides its inputs, handed down as an argument (never set on a module): the
+    step's kernels; inside the scanned layers over packed kernels (pack_kernels), the layer's index in the
+    stacks; and the real rows of the activations (a bucketed step's padding rows follow them), which a packed
+    matmul leaves unwritten."""
+
+    kernels: Kernels
+    layer: jax.Array | None = None  # int32 []: the index of the decoder layer being run (None: outside them)
+    packed: bool = False            # its linears are packed [num_layers, ...] stacks read at `layer`, its norms
+                                    # take the native kernel
+    rows: jax.Array | None = None   # int32 []: the real rows of x (None: all of them)
+
+    def with_rows(self, rows) -> "ForwardContext":
+        return dataclasses.replace(self, rows=rows)
+
+
 class RMSNorm(nnx.Module):
     """Llama: w * normalize(x).to(dtype).  Gemma (offset 1): (normalize(x) * (1 + w)).to(dtype)."""
-
-    native_kernel = False  # the native CPU kernel (one call, where XLA CPU ran ~5 fusions); set by scan_layers
 
     def __init__(self, dim: int, eps: float, offset: float, dtype):
         self.eps, self.offset = eps, offset
         self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
 
-    def __call__(self, x, delta=None):
+    def __call__(self, x, ctx: ForwardContext, delta=None):
         """RMSNorm(x); given a residual branch `delta` (float32 or x's dtype), of the residual sum
-        x + delta.astype(x.dtype) instead, returned beside it: (normed, sum)."""
-        weight = self.weight[...]
-        if self.native_kernel and x.dtype == weight.dtype:
-            return native.rms_norm(x, weight, eps=self.eps, offset=self.offset, delta=delta)
-        if delta is not None:
-            x = x + delta.astype(x.dtype)
-        xf = x.astype(jnp.float32)
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
-            normed = (normed * (self.offset + weight.astype(jnp.float32))).astype(x.dtype)
-        else:
-            normed = weight * normed.astype(x.dtype)
-        return normed if delta is None else (normed, x)
+        x + delta.astype(x.dtype) instead, returned beside it: (normed, sum). A packed layer's norms take the
+        native kernel."""
+        return ops.rms_norm(x, self.weight[...], eps=self.eps, offset=self.offset, delta=delta,
+                            native_kernel=ctx.packed)
 
 
 class Linear(nnx.Linear):
-    """nnx.Linear, or on CPU with packed kernels (pack_kernels) the native stacked matmul over a kernel in
-    native.pack_stacked's layout: inside the scanned layers (Transformer.scan_layers) the whole
-    [num_layers, ...] parameter, `layer` the scan's index, its panels read where they lie; the LM head
-    a stack of one."""
+    """nnx.Linear, or over a kernel packed for the native matmul (pack_kernels) the packed matmul: inside the
+    scanned layers the whole [num_layers, ...] parameter, the context's layer index picking its panels where
+    they lie; the LM head a stack of one."""
 
-    layer = None  # int32 [] while the kernel is a packed stack of the layers; set by scan_layers
-    rows = None  # int32 []: x's real rows (a packed kernel leaves the padding rows after them unwritten); per step
     column_groups = 1  # the kernel's equal column parts (a fused [gate | up]: 2), each packed apart
 
-    def __call__(self, x):
+    def __call__(self, x, ctx: ForwardContext):
         kernel = self.kernel[...]
         if kernel.ndim == 2:
-            y = matmul(x.astype(self.dtype), kernel)
-        else:  # float32 sums, rounded once to the model's dtype as `matmul` does
-            y = self.packed_matmul(x).astype(self.dtype)
+            y = ops.matmul(x.astype(self.dtype), kernel, ctx.kernels)
+        else:  # float32 sums, rounded once to the model's dtype as `ops.matmul` does
+            y = self.packed_matmul(x, ctx).astype(self.dtype)
         return y if self.bias is None else y + self.bias[...]
 
     @property
     def packed_sums(self) -> bool:
         """Whether packed_matmul's float32 sums are this layer's output before its rounding (a packed kernel,
         no bias): what a native epilogue (the MLP's gate, the residual add) can take straight."""
-        return self.kernel[...].ndim == native.PACKED_RANK and self.bias is None
+        return self.kernel[...].ndim == ops.PACKED_RANK and self.bias is None
 
-    def float32_out(self, x):
+    def float32_out(self, x, ctx: ForwardContext):
         """self(x).astype(float32): the LM head's logits, a residual branch for RMSNorm's add. A packed
         kernel rounds its float32 sums to the model dtype's precision as it stores them, where XLA
-        converted [rows, vocab] to the dtype and back."""
+        would convert [rows, vocab] to the dtype and back."""
         if self.packed_sums:
-            return self.packed_matmul(x, round_to=self.dtype)
-        return self(x).astype(jnp.float32)
+            return self.packed_matmul(x, ctx, round_to=self.dtype)
+        return self(x, ctx).astype(jnp.float32)
 
-    def packed_matmul(self, x, **kwargs):
-        """native.stacked_matmul of x over this packed kernel (its layer of the stack; the head: 0)."""
-        layer = 0 if self.layer is None else self.layer
-        return native.stacked_matmul(x.astype(self.dtype), self.kernel[...], layer, n=self.out_features,
-                                     groups=self.column_groups, rows=self.rows, **kwargs)
-
-
-def matmul(x, w, transpose_w: bool = False):
-    """x [..., K] @ w [K, N] (w [N, K] if `transpose_w`), in x's dtype. On CPU a 16-bit float product
-    accumulates into float32 and rounds once at the end (as a GPU's and torch's do), and a one-row x is
-    padded to two rows. Asked for a 16-bit result XLA CPU runs a generic loop, and for one row its own
-    matrix-vector loop, which widens the whole of w to float32 first: bf16 [64, 512] @ [512, 32000] took
-    34 ms that way and 3.6 ms through the library's bf16 GEMM (float32: 7.0 ms); one row, 4.2 against
-    0.64 ms padded."""
-    dims = (((x.ndim - 1,), (1 if transpose_w else 0,)), ((), ()))
-    if jnp.dtype(x.dtype) == jnp.float32 or jax.default_backend() != "cpu":
-        return jax.lax.dot_general(x, w, dims)
-    rows = math.prod(x.shape[:-1])
-    x2 = x.reshape(rows, x.shape[-1])
-    if rows == 1:
-        x2 = jnp.concatenate([x2, jnp.zeros_like(x2)])
-    y = jax.lax.dot_general(x2, w, (((1,), dims[0][1]), ((), ())), preferred_element_type=jnp.float32)
-    return y[:rows].astype(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+    def packed_matmul(self, x, ctx: ForwardContext, **kwargs):
+        """The packed matmul of x over this kernel: the context's layer of the stack (the head, a stack of one: 0),
+        its real rows."""
+        layer = ctx.layer if ctx.packed else 0
+        return ops.packed_matmul(x.astype(self.dtype), self.kernel[...], layer, n=self.out_features,
+                                 groups=self.column_groups, rows=ctx.rows, **kwargs)
 
 
 def _linear(cfg_in, cfg_out, bias, dtype, rngs):
@@ -138,30 +125,25 @@ def _linear(cfg_in, cfg_out, bias, dtype, rngs):
                   kernel_init=_INIT, rngs=rngs)
 
 
-def packs_kernels(dtype, tensor_parallel_size: int) -> bool:
-    """Whether the scanned layers' linears and the LM head run on packed kernels (pack_kernels): CPU, the
-    native library built, no tensor parallelism (XLA partitions the stacks' dots), float32 or bfloat16
-    weights.
-    XLA CPU widens a scanned bf16 stack to float32 whole on every step (8 layers of [512, 4096] took
-    41-55 ms that way at 64-512 rows, the kernel 8.4-43 ms) and copies each layer's slice of a float32
-    stack; the kernel also beats XLA's dot on float32 prefill rows: a [512, 4096] layer with its gate at
-    512 rows 4.97 against 5.17 ms (the dot plus the copy), [2048, 512] 2.50 against 2.65; and a [512, 32000]
-    bf16 head at 1 / 16 / 64 rows 0.64 / 1.22 / 2.88 ms against XLA's 1.41 / 1.88 / 3.67 (float32 64 rows
-    5.26 against 6.78, 16 rows 2.94 against 2.46; notes, session 12)."""
-    if jax.default_backend() != "cpu" or tensor_parallel_size != 1 or not native.available():
+def packs_kernels(kernels: Kernels, dtype, tensor_parallel_size: int) -> bool:
+    """Whether the scanned layers' linears and the LM head run on packed kernels (pack_kernels): the native CPU
+    kernels, no tensor parallelism (XLA partitions the stacks' dots), float32 or bfloat16 weights. XLA CPU
+    widens a scanned bf16 stack to float32 whole on every step and copies each layer's slice of a float32 stack;
+    the packed matmul reads each layer's panels where they lie (scripts/bench_native_matmul.py)."""
+    if not kernels.native or tensor_parallel_size != 1:
         return False
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def pack_kernels(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
     """A scanned model's state with its layers' linear kernels [L, K, N] and its untied LM head [K, N]
-    (as a stack of one) replaced by their packed form (native.pack_stacked), which only the native
-    stacked matmul reads: call it where packs_kernels holds. `state` itself is left as it was (it may
+    (as a stack of one) replaced by their packed form (ops.pack_stacked), which only the packed
+    matmul reads: call it where packs_kernels holds. `state` itself is left as it was (it may
     serve other engines); the kernels are packed one at a time, and already packed ones kept."""
     groups = {path + ("kernel",): module.column_groups
               for path, module in nnx.iter_modules(nnx.merge(graphdef, state))
               if isinstance(module, Linear) and path[:1] in (("layers",), ("lm_head",))}
-    pack = jax.jit(native.pack_stacked, static_argnums=1)
+    pack = jax.jit(ops.pack_stacked, static_argnums=1)
 
     def packed(path, leaf):
         names = tuple(getattr(key, "key", getattr(key, "name", None)) for key in path)
@@ -179,7 +161,7 @@ def _is_kernel(path, _value) -> bool:
 
 def layer_kernels_packed(layers) -> bool:
     """Whether a Transformer's layers hold packed kernels (pack_kernels)."""
-    return not isinstance(layers, nnx.List) and layers.mlp.down_proj.kernel[...].ndim == native.PACKED_RANK
+    return not isinstance(layers, nnx.List) and layers.mlp.down_proj.kernel[...].ndim == ops.PACKED_RANK
 
 
 def rope_cos_sin(inv_freq, positions, dtype):
@@ -198,8 +180,8 @@ def apply_rope(x, cos, sin):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KeptRows:
-    """The rows a layer keeps past its K/V write (the last layer of a prefill or mixed step): whoever selects
-    them tells the linears that read them their real rows (Linear.rows)."""
+    """The rows a layer keeps past its K/V write (the last layer of a prefill or mixed step): the linears that
+    read them are called with their real rows (ForwardContext.rows)."""
 
     indices: jax.Array  # int32 [S]: each sequence's last token row, the real sequences first
     real: jax.Array     # int32 []: the real sequences among them (the rest are a bucket's padding)
@@ -215,28 +197,28 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset, dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset, dtype)
 
-    def project(self, x):
+    def project(self, x, ctx: ForwardContext):
         """x [..., hidden] -> q [..., Hq, D], k and v [..., Hkv, D] (one matmul), q/k normed if the model does."""
         cfg = self.cfg
-        q, k, v = split_fused(self.qkv_proj(x), qkv_widths(cfg))
+        q, k, v = split_fused(self.qkv_proj(x, ctx), qkv_widths(cfg))
         heads = lambda t, n: t.reshape(*t.shape[:-1], n, cfg.head_dim)  # noqa: E731
         q, k, v = heads(q, cfg.num_heads), heads(k, cfg.num_kv_heads), heads(v, cfg.num_kv_heads)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
         return q, k, v
 
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, attention_impl, kept=None):
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, ctx: ForwardContext, kept=None):
         """-> (the output projection, float32 at the model dtype's precision; the updated kv).
         `kept` (KeptRows): every row writes its K/V, but only the kept rows query, as decode rows do, and the
         output has only them."""
         cfg = self.cfg
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, ctx)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out_ctx = ctx
         if kept is not None:
-            q, md = q[kept.indices], md.last_rows_queried()
-            self.o_proj.rows = kept.real
+            q, md, out_ctx = q[kept.indices], md.last_rows_queried(), ctx.with_rows(kept.real)
         num_tokens = q.shape[0]
-        attend = functools.partial(_write_and_attend, cfg=cfg, attention_impl=attention_impl)
+        attend = functools.partial(_write_and_attend, cfg=cfg, kernels=ctx.kernels)
         if model_axis_size() > 1:
             # Per shard: its query heads, its KV heads, its pages. XLA cannot partition the kernels'
             # custom calls, and would otherwise gather the whole cache onto every device.
@@ -244,15 +226,15 @@ class Attention(nnx.Module):
             attend = jax.shard_map(attend, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, pages, P()),
                                    out_specs=(HEADS_SPEC, pages))
         out, kv = attend(q, k, v, kv, md)
-        return self.o_proj.float32_out(out.reshape(num_tokens, -1)), kv
+        return self.o_proj.float32_out(out.reshape(num_tokens, -1), out_ctx), kv
 
 
-def _write_and_attend(q, k, v, kv, md: AttentionMetadata, *, cfg: ModelConfig, attention_impl):
+def _write_and_attend(q, k, v, kv, md: AttentionMetadata, *, cfg: ModelConfig, kernels: Kernels):
     """Scatter this step's k/v [T, Hkv, D] into the pages, then attend q [T, Hq, D] through them."""
-    k_pages, v_pages = write_kv(*kv, k, v, md.slot_mapping)
+    k_pages, v_pages = ops.write_kv(*kv, k, v, md.slot_mapping, kernels)
     out = paged_attention(
         q, k_pages, v_pages, md.block_tables, md.context_lens, md.query_start_loc,
-        decode=md.decode, scale=cfg.query_scale, soft_cap=cfg.attn_logit_softcap, impl=attention_impl)
+        decode=md.decode, scale=cfg.query_scale, soft_cap=cfg.attn_logit_softcap, impl=kernels.attention)
     return out, (k_pages, v_pages)
 
 
@@ -265,15 +247,15 @@ class MLP(nnx.Module):
         self.gelu = cfg.hidden_act == "gelu_tanh"
         self.intermediate_size = i
 
-    def __call__(self, x):
+    def __call__(self, x, ctx: ForwardContext):
         act, proj = ("gelu_tanh" if self.gelu else "silu"), self.gate_up_proj
         if proj.packed_sums:
             # A packed stack (scanned layers on CPU): the activation runs in the matmul's panels, with
-            # no float32 [tokens, 2I] round trip through memory (a tenth of a bf16 prefill step).
-            hidden = proj.packed_matmul(x, gated=act, dtype=proj.dtype)
+            # no float32 [tokens, 2I] round trip through memory.
+            hidden = proj.packed_matmul(x, ctx, gated=act, dtype=proj.dtype)
         else:
-            hidden = native.gate_product(*split_fused(proj(x), (self.intermediate_size,) * 2), act)
-        return self.down_proj(hidden)
+            hidden = ops.gate_product(*split_fused(proj(x, ctx), (self.intermediate_size,) * 2), act)
+        return self.down_proj(hidden, ctx)
 
 
 class DecoderLayer(nnx.Module):
@@ -283,16 +265,13 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, cos, sin, kv, md, attention_impl, kept=None):
+    def __call__(self, x, cos, sin, kv, md, ctx: ForwardContext, kept=None):
         """`kept` (see Attention): the output has only those rows, and only they run past the K/V write."""
-        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, attention_impl, kept)
+        attn_out, kv = self.self_attn(self.input_layernorm(x, ctx), cos, sin, kv, md, ctx, kept)
         if kept is not None:
-            x = x[kept.indices]
-            for _, module in nnx.iter_modules(self.mlp):
-                if isinstance(module, Linear):
-                    module.rows = kept.real
-        hidden, x = self.post_attention_layernorm(x, attn_out)  # the residual add, then the norm
-        return x + self.mlp(hidden), kv
+            x, ctx = x[kept.indices], ctx.with_rows(kept.real)
+        hidden, x = self.post_attention_layernorm(x, ctx, attn_out)  # the residual add, then the norm
+        return x + self.mlp(hidden, ctx), kv
 
 
 def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
@@ -305,8 +284,8 @@ def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
 
 def vmapped_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> "DecoderLayer":
     """The same stacked layer as stack_modules gives (the same graphdef; other random draws), from one
-    vmapped constructor: tracing it costs the same at any depth (0.10 s at 4 and at 30 layers, against
-    0.26 s and 1.39 s layer by layer; measured at hidden 256), but run eagerly each op compiles per depth."""
+    vmapped constructor: tracing it costs the same at any depth (layer by layer it grows with depth), but run
+    eagerly each op compiles per depth."""
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(layer_rngs):
@@ -335,7 +314,7 @@ class Transformer(nnx.Module):
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
 
     def __call__(self, kv_cache: KVCache, token_ids, positions, md: AttentionMetadata, logits_indices,
-                 attention_impl=None):
+                 kernels: Kernels):
         """token_ids, positions [T] -> (float32 logits [len(logits_indices), vocab], updated cache)."""
         cfg = self.cfg
         x = self.embed_tokens(token_ids)
@@ -345,10 +324,10 @@ class Transformer(nnx.Module):
         k_pages, v_pages = kv_cache
         num_blocks, block_size = k_pages.shape[1:3]
 
-        def layer_step(layer, carry, index, kept=None):
+        def layer_step(layer, carry, ctx, kept=None):
             x, k_pool, v_pool = carry
             x, (k_pool, v_pool) = layer(x, cos, sin, (k_pool, v_pool),
-                                        md.for_layer(index, num_blocks, block_size), attention_impl, kept)
+                                        md.for_layer(ctx.layer, num_blocks, block_size), ctx, kept)
             return x, k_pool, v_pool
 
         # The real token rows and logits rows: a bucketed step's padding comes after them (its sequences start
@@ -364,17 +343,16 @@ class Transformer(nnx.Module):
             last_step = functools.partial(layer_step, kept=KeptRows(logits_indices, logits_rows))
         # The cache rides in the carry as one pool of every layer's pages: each layer scatters into
         # it and its kernel reads it in place (a per-layer slice would copy the layer's pages).
-        x, k_pool, v_pool = self.scan_layers(layer_step, (x, layer_pool(k_pages), layer_pool(v_pages)),
-                                             jnp.arange(cfg.num_layers), rows=rows,
+        ctx = ForwardContext(kernels, rows=rows)
+        x, k_pool, v_pool = self.scan_layers(layer_step, (x, layer_pool(k_pages), layer_pool(v_pages)), ctx,
                                              last=last_step)
         new_cache = (k_pool.reshape(k_pages.shape), v_pool.reshape(v_pages.shape))
         # Only the rows we sample from (RMSNorm is per token): the last layer kept only them, or select them.
-        x = self.norm(x if last_step is not None else x[logits_indices])
+        x = self.norm(x if last_step is not None else x[logits_indices], ctx)
         if cfg.tie_word_embeddings:
-            logits = matmul(x.astype(self.dtype), self.embed_tokens.embedding[...], transpose_w=True)
+            logits = ops.matmul(x.astype(self.dtype), self.embed_tokens.embedding[...], kernels, transpose_w=True)
         else:
-            self.lm_head.rows = logits_rows
-            logits = self.lm_head.float32_out(x)
+            logits = self.lm_head.float32_out(x, ctx.with_rows(logits_rows))
         if model_axis_size() > 1:
             # Vocabulary-sharded rows, then one all-gather of them for the sampler: left free, XLA may
             # all-gather the [hidden, vocab] head instead (seen for prefill), gigabytes on a real model.
@@ -385,27 +363,23 @@ class Transformer(nnx.Module):
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
         return logits, new_cache
 
+    def scan_layers(self, fn, carry, ctx: ForwardContext, last=None):
+        """`carry` through every layer in order, one traced layer (jax.lax.scan): fn(layer, carry, layer_ctx)
+        -> carry, where layer is a DecoderLayer holding that layer's parameters and layer_ctx is `ctx` with the
+        layer's index (and whether its linears are packed stacks). Per-layer modules (scan=False) run unrolled.
+        `last`: the last layer runs last(layer, carry, layer_ctx) instead of fn, outside the scan.
 
-    def scan_layers(self, fn, carry, xs=None, rows=None, last=None):
-        """`carry` through every layer in order, one traced layer (jax.lax.scan):
-        fn(layer, carry, x) -> carry, where layer is a DecoderLayer holding that layer's parameters
-        and x that layer's slice of `xs` (None: nothing). Per-layer modules (scan=False) run unrolled.
-        `rows`: the real rows of the carried activations, for the packed kernels (Linear.rows).
-        `last`: the last layer runs last(layer, carry, x) instead of fn, outside the scan.
-
-        The scan's slice of a stacked array is a copy on XLA CPU: its library dots (YNNPACK) take
-        static slices only, so every step copied each layer's weights (decode CPU time +35..39% at
-        SmolLM2-135M's 30 x 576, batch 16, against per-layer arrays; jaxlib 0.10.2 and 0.11.2 alike).
-        Packed kernels (pack_kernels: CPU, float32 or bfloat16) stay out of the scanned operands:
-        the body closes over the whole stacks and each Linear's native stacked matmul reads its layer
-        where it lies. The small parameters (norms, biases) are still sliced; the norms run natively too.
-        The layer outside the scan reads its parameters the same way (a dynamic index, as the scan does),
-        so no [num_layers - 1, ...] slice of the stacks is made."""
+        The scan's slice of a stacked array is a copy on XLA CPU: its library dots take static slices only,
+        so every step would copy each layer's weights. Packed kernels (pack_kernels: CPU, float32 or bfloat16)
+        stay out of the scanned operands: the body closes over the whole stacks and each Linear's packed
+        matmul reads its layer where it lies. The small parameters (norms, biases) are still sliced; the norms
+        run natively too. The layer outside the scan reads its parameters the same way (a dynamic index, as
+        the scan does), so no [num_layers - 1, ...] slice of the stacks is made."""
         num_layers = self.cfg.num_layers
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers):
                 is_last = last is not None and i == num_layers - 1
-                carry = (last if is_last else fn)(layer, carry, None if xs is None else xs[i])
+                carry = (last if is_last else fn)(layer, carry, dataclasses.replace(ctx, layer=jnp.int32(i)))
             return carry
         kernels_in_place = layer_kernels_packed(self.layers)
         if kernels_in_place and model_axis_size() != 1:
@@ -416,41 +390,34 @@ class Transformer(nnx.Module):
         else:
             graphdef, stacked = nnx.split(self.layers)
 
-        def layer_at(index, x):
-            """(layer `index`'s module, its slice of xs). The barrier materialises the sliced parameters once,
-            so the matmuls stay library dots (left fusible, XLA CPU folds the dynamic-slice into them, making
-            them generic loops)."""
+        def layer_at(index):
+            """Layer `index`'s module and context. The barrier materialises the sliced parameters once, so the
+            matmuls stay library dots (left fusible, XLA CPU folds the dynamic-slice into them, making them
+            generic loops)."""
             layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stacked)
-            layer_state, x, index = jax.lax.optimization_barrier((layer_state, x, index))
+            layer_state, index = jax.lax.optimization_barrier((layer_state, index))
+            layer_ctx = dataclasses.replace(ctx, layer=index, packed=kernels_in_place)
             if not kernels_in_place:
-                return nnx.merge(graphdef, layer_state), x
-            layer = nnx.merge(graphdef, kernels, layer_state)
-            for _, module in nnx.iter_modules(layer):
-                if isinstance(module, Linear):
-                    module.layer, module.rows = index, rows
-                elif isinstance(module, RMSNorm):
-                    module.native_kernel = True
-            return layer, x
+                return nnx.merge(graphdef, layer_state), layer_ctx
+            return nnx.merge(graphdef, kernels, layer_state), layer_ctx
 
-        def body(c, inputs):
-            layer, x = layer_at(*inputs)
-            return fn(layer, c, x), None
+        def body(c, index):
+            layer, layer_ctx = layer_at(index)
+            return fn(layer, c, layer_ctx), None
 
         scanned = num_layers - (last is not None)
         indices = jnp.arange(num_layers, dtype=jnp.int32)
-        head = None if xs is None else jax.tree.map(lambda a: a[:scanned], xs)
-        carry = jax.lax.scan(body, carry, (indices[:scanned], head))[0]
+        carry = jax.lax.scan(body, carry, indices[:scanned])[0]
         if last is None:
             return carry
-        tail = None if xs is None else jax.tree.map(lambda a: a[num_layers - 1], xs)
-        layer, x = layer_at(indices[num_layers - 1], tail)
-        return last(layer, carry, x)
+        layer, layer_ctx = layer_at(indices[num_layers - 1])
+        return last(layer, carry, layer_ctx)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class StaticGraphDef:
     """A model's nnx.GraphDef as a jit static argument, hashed once. jax hashes static arguments on every
-    call, and a GraphDef rehashes all its nodes each time (~0.2 ms of every step for a Llama)."""
+    call, and a GraphDef rehashes all its nodes each time (a share of every step's host time)."""
 
     graphdef: nnx.GraphDef
     hash: int
@@ -467,10 +434,10 @@ class StaticGraphDef:
                                  and self.graphdef == other.graphdef)
 
 
-def forward(graphdef, state, kv_cache, token_ids, positions, md, logits_indices, attention_impl=None):
+def forward(graphdef, state, kv_cache, token_ids, positions, md, logits_indices, kernels: Kernels):
     """The pure function the engine jits: the split model state in, logits and the new cache out.
     `graphdef`: an nnx.GraphDef or a StaticGraphDef."""
     if isinstance(graphdef, StaticGraphDef):
         graphdef = graphdef.graphdef
     model = nnx.merge(graphdef, state)
-    return model(kv_cache, token_ids, positions, md, logits_indices, attention_impl)
+    return model(kv_cache, token_ids, positions, md, logits_indices, kernels)

@@ -1,6 +1,7 @@
 """Lowering a kernel for an accelerator this host does not have (CUDA or TPU from a CPU host).
 
-Used by the lowering tests (tests/test_cuda_lowering.py, tests/test_tpu_kernel.py) and the device
+Used by the lowering tests (tests/pallas_kernels/test_cuda_lowering.py,
+                            tests/pallas_kernels/test_tpu_kernel.py) and the device
 check scripts' --smoke paths. `export_for(platform, f, specs)` runs jax.export for that platform and
 returns the StableHLO text:
 

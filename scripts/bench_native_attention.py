@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import native
+from pallas_kernels.native import library
+from pallas_kernels.native import ops as native
 from pallas_kernels.reference import paged_decode_attention_ref
 
 
@@ -67,8 +68,8 @@ def add_common_flags(parser, *, warmup, runs):
 def time_side_by_side(fns, args, *, warmup, runs):
     """Per fn: (median ms, min ms). Each fn runs its calls in blocks, the blocks taking turns (a b b a
     ...), so slow drift of a shared machine hits the fns alike; a block starts with `warmup` untimed
-    calls. Calls alternating one by one measured the native kernel at half its speed: after a call of
-    the reference it ran slow for ~5 calls (8 layers of 64 x 256 keys bf16: 9-14 ms against 5.6-6.0)."""
+    calls. Calls alternating one by one measured the native kernel at a fraction of its speed: after a call
+    of the reference it runs slow for a few calls."""
     times = [[] for _ in fns]
     for b in range(TIMING_BLOCKS):
         for i in (range(len(fns)) if b % 2 == 0 else reversed(range(len(fns)))):
@@ -94,16 +95,17 @@ def main():
     add_common_flags(parser, warmup=3, runs=20)
     args = parser.parse_args()
 
-    if not native.available():
-        raise SystemExit(f"native attention unavailable: {native.unavailable_reason()}")
+    if not library.available():
+        raise SystemExit(f"native attention unavailable: {library.unavailable_reason()}")
     dtype = jnp.dtype(args.dtype)
     rng = np.random.default_rng(args.seed)
     results = []
     header = (f"{'head_dim':>8} {'context':>8} {'reference ms':>13} {'native ms':>10} {'speedup':>8} "
               f"{'KV GB/s':>8}")
     print(f"decode, batch {args.batch}, {args.num_q_heads} q / {args.num_kv_heads} kv heads, "
-          f"block {args.block_size}, {args.dtype}, {args.layers} layer(s) a call, median of {-(-args.runs // TIMING_BLOCKS) * TIMING_BLOCKS} runs, "
-          f"backend {jax.default_backend()}, native lib {native.library_path()}")
+          f"block {args.block_size}, {args.dtype}, {args.layers} layer(s) a call, "
+          f"median of {-(-args.runs // TIMING_BLOCKS) * TIMING_BLOCKS} runs, "
+          f"backend {jax.default_backend()}, native lib {library.library_path()}")
     print(header)
     print("-" * len(header))
     for head_dim in args.head_dims:
@@ -129,7 +131,7 @@ def main():
     if args.json_out:
         meta = dict(vars(args), machine=platform.machine(), cpu_count=os.cpu_count(),
                     jax=jax.__version__, threads_env=os.environ.get("FERRY_NATIVE_ATTENTION_THREADS"),
-                    library=str(native.library_path()))
+                    library=str(library.library_path()))
         with open(args.json_out, "w") as f:
             json.dump(dict(config=meta, results=results), f, indent=2)
         print(f"wrote {args.json_out}")

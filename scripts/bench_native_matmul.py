@@ -20,11 +20,12 @@ import platform
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from bench_native_attention import add_common_flags, time_side_by_side
-from pallas_kernels import native
 
-PATHS = native.MATMUL_PATH_SWITCHES  # name -> the switches it sets (the others unset)
+from pallas_kernels.native import library
+from pallas_kernels.native import ops as native
+
+PATHS = library.MATMUL_PATH_SWITCHES  # name -> the switches it sets (the others unset)
 
 
 def paths_here(flags: set[str]) -> list[str]:
@@ -72,10 +73,10 @@ def main():
     parser.add_argument("--layers", type=int, default=8)
     add_common_flags(parser, warmup=2, runs=12)
     args = parser.parse_args()
-    if not native.available():
-        raise SystemExit(f"native library unavailable: {native.unavailable_reason()}")
+    if not library.available():
+        raise SystemExit(f"native library unavailable: {library.unavailable_reason()}")
     dtype = jnp.dtype(args.dtype)
-    paths = paths_here(native.cpu_flags())
+    paths = paths_here(library.cpu_flags())
     rng = np.random.default_rng(args.seed)
     results = []
     print(f"paths: {', '.join(paths)}; {args.dtype} weights; ms per layer, median of {args.runs} calls")
@@ -108,7 +109,7 @@ def main():
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"config": vars(args), "paths": paths, "cpu": platform.processor() or platform.machine(),
-                       "cpu_flags": sorted(f for f in native.cpu_flags() if f.startswith(("avx", "fma"))),
+                       "cpu_flags": sorted(f for f in library.cpu_flags() if f.startswith(("avx", "fma"))),
                        "results": results}, f, indent=1)
         print(f"wrote {args.json_out}")
 

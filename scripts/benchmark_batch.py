@@ -12,7 +12,8 @@ import time
 
 from absl import app, flags
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.loading import random_model

@@ -19,14 +19,15 @@ import time
 
 import numpy as np
 from absl import app, flags
+from bench_common import environment, format_table, write_json
 
-from engine.engine import EngineConfig, LLMEngine, freeze_startup_heap
-from engine.sampler import SampleOutput
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, freeze_startup_heap
 from engine.sampling_params import SamplingParams
+from engine.worker.sampler import SampleOutput
 from models.config import ModelConfig
 from models.loading import random_model
-from models.tokenizer import load_tokenizer
-from bench_common import environment, format_table, write_json
+from models.tokenizers.load import load_tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("cases", ["64x1024", "128x1024", "256x1024", "512x1024", "1024x1024", "512x2048", "256x8192",
@@ -90,7 +91,7 @@ def stub_engine(batch: int, context: int, steps: int, tokenizer) -> LLMEngine:
 def start_engine(batch: int, context: int, tokenizer) -> LLMEngine:
     """A stub engine with `batch` requests of `context` prompt tokens, all prefilled and decoding."""
     engine = stub_engine(batch, context, FLAGS.steps, tokenizer)
-    freeze_startup_heap()  # as engine.serve does before it takes requests
+    freeze_startup_heap()  # as engine.entrypoints.serve does before it takes requests
     rng = np.random.default_rng(batch * 100003 + context)
     params = SamplingParams(temperature=0.0, max_tokens=max_output_tokens(batch, context, FLAGS.steps), ignore_eos=True)
     vocab = engine.model.cfg.vocab_size
@@ -120,7 +121,8 @@ def phase_medians(engine: LLMEngine, batch: int) -> dict:
 
 
 def pipelined_step_ms(engine: LLMEngine, batch: int) -> float:
-    """Milliseconds per step when the outputs run on their own thread, as in the server (engine/engine_loop.py):
+    """Milliseconds per step when the outputs run on their own thread, as in the server
+    (engine/entrypoints/engine_loop.py):
     the core steps on while the output thread, at most two steps behind, catches up. Wall time over --steps
     steps until the output thread is done too, so it is the rate both threads keep up together."""
     news: queue.Queue = queue.Queue(maxsize=2)

@@ -29,11 +29,10 @@ import math
 import os
 import time
 
+import bench_common as bc
 import httpx
 import numpy as np
 from absl import app, flags
-
-import bench_common as bc
 
 FLAGS = flags.FLAGS
 # server
@@ -109,7 +108,7 @@ def build_prompts() -> list[tuple[str | list[int], int]]:
         vocab = FLAGS.vocab
         decode = None
         if FLAGS.tokenizer:
-            from models.tokenizer import load_tokenizer
+            from models.tokenizers.load import load_tokenizer
             tokenizer = load_tokenizer(FLAGS.tokenizer)
             vocab, decode = tokenizer.vocab_size, tokenizer.decode
         requests = bc.random_token_requests(FLAGS.num_prompts, bc.parse_int_range(FLAGS.prompt_len_range),

@@ -4,7 +4,7 @@ Two measurements, each in a fresh process so nothing compiled earlier is reused 
 
   warmup   `LLMEngine.warmup()` of random Llamas of the same width and growing depth (--layers),
            with the persistent compilation cache off: seconds and compiled programs.
-  serve    `python -m engine.serve --model=M` until /health answers 200, first with an empty persistent
+  serve    `python -m engine.entrypoints.serve --model=M` until /health answers 200, first with an empty persistent
            compilation cache (cold; kept running until its background warm-up is done, also timed), then
            again with the cache it filled (warm), for every M of
            --serve_model (directories, .gguf files or packaged names) and a random Llama of the
@@ -27,9 +27,8 @@ import tempfile
 import time
 import urllib.request
 
-from absl import app, flags
-
 import bench_common as bc
+from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("layers", ["4", "8", "30"], "depths of the random Llamas to warm up")
@@ -41,9 +40,10 @@ flags.DEFINE_integer("max_model_len", 512, "engine max_model_len of the random m
 flags.DEFINE_integer("max_num_seqs", 64, "EngineConfig.max_num_seqs of the random models")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "EngineConfig.max_num_batched_tokens of the random models")
 flags.DEFINE_integer("num_blocks", 256, "KV blocks of the random models (the compiled shapes do not depend on it)")
-flags.DEFINE_list("serve_model", [], "also time `engine.serve` on these models to /health 200")
-flags.DEFINE_list("serve_random_layers", [], "also time `engine.serve` on a random Llama of each of these depths")
-flags.DEFINE_list("serve_flags", [], "extra engine.serve flags, e.g. --warmup=lazy")
+flags.DEFINE_list("serve_model", [], "also time `engine.entrypoints.serve` on these models to /health 200")
+flags.DEFINE_list("serve_random_layers", [],
+                  "also time `engine.entrypoints.serve` on a random Llama of each of these depths")
+flags.DEFINE_list("serve_flags", [], "extra engine.entrypoints.serve flags, e.g. --warmup=lazy")
 flags.DEFINE_integer("port", 8791, "port for the serve measurement")
 flags.DEFINE_float("serve_timeout_s", 900, "give up on a serve start after this long")
 flags.DEFINE_integer("child_layers", None, "internal: warm one model up in this process and print JSON")
@@ -62,8 +62,9 @@ def random_llama_config(layers: int, vocab: int):
 def warm_one(layers: int) -> dict:
     """In this process: build the engine, warm it up, count compilations."""
     os.environ["FERRY_COMPILATION_CACHE"] = "0"
-    from engine.engine import EngineConfig, LLMEngine
-    from engine.runner import CompileCounter
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.worker.compilation import CompileCounter
     from models.loading import random_model
 
     t0 = time.perf_counter()
@@ -77,7 +78,8 @@ def warm_one(layers: int) -> dict:
     engine.warmup()
     # CPU seconds (all threads) as well as wall: on a shared machine the wall clock depends on the neighbours.
     return {"layers": layers, "engine_s": build_s, "warmup_s": time.perf_counter() - t0,
-            "warmup_cpu_s": time.process_time() - cpu0, "compiled_programs": counter.count - before, "load_before": load}
+            "warmup_cpu_s": time.process_time() - cpu0, "compiled_programs": counter.count - before,
+            "load_before": load}
 
 
 def time_warmups() -> list[dict]:
@@ -97,13 +99,14 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def time_to_ready(model: str, cache_dir: str, log_path: str, wait_for_background: bool) -> tuple[float, float, float | None]:
-    """Seconds from launching engine.serve to /health answering 200, the CPU seconds the server used (up to
+def time_to_ready(model: str, cache_dir: str, log_path: str, wait_for_background: bool) -> tuple[float, float,
+                                                                                                 float | None]:
+    """Seconds from launching engine.entrypoints.serve to /health answering 200, the CPU seconds the server used (up to
     its exit), and with `wait_for_background` the seconds until its background warm-up had compiled every
     program (None if it had none): a cold start then leaves the whole cache, as a server that ran a while
     would, for the warm start after it. Its log goes to `log_path`."""
     env = dict(os.environ, FERRY_COMPILATION_CACHE=cache_dir)
-    cmd = [sys.executable, "-m", "engine.serve", f"--model={model}", f"--port={FLAGS.port}",
+    cmd = [sys.executable, "-m", "engine.entrypoints.serve", f"--model={model}", f"--port={FLAGS.port}",
            *FLAGS.serve_flags]
     t0, cpu0 = time.perf_counter(), _children_cpu_s()
     with open(log_path, "w") as log:
@@ -111,7 +114,8 @@ def time_to_ready(model: str, cache_dir: str, log_path: str, wait_for_background
     try:
         while time.perf_counter() - t0 < FLAGS.serve_timeout_s:
             if proc.poll() is not None:
-                raise RuntimeError(f"engine.serve exited with {proc.returncode}: {open(log_path).read()[-2000:]}")
+                raise RuntimeError(f"engine.entrypoints.serve exited with {proc.returncode}: "
+                                   f"{open(log_path).read()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{FLAGS.port}/health", timeout=1) as r:
                     if r.status == 200:
@@ -121,7 +125,7 @@ def time_to_ready(model: str, cache_dir: str, log_path: str, wait_for_background
                         return wall, _children_cpu_s() - cpu0, background
             except OSError:
                 time.sleep(0.1)
-        raise TimeoutError(f"engine.serve not ready after {FLAGS.serve_timeout_s} s")
+        raise TimeoutError(f"engine.entrypoints.serve not ready after {FLAGS.serve_timeout_s} s")
     finally:
         if proc.poll() is None:
             stop(proc)
@@ -146,7 +150,7 @@ def stop(proc: subprocess.Popen) -> None:
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
-        print(f"engine.serve (pid {proc.pid}) still running 10 s after SIGTERM: killed", flush=True)
+        print(f"engine.entrypoints.serve (pid {proc.pid}) still running 10 s after SIGTERM: killed", flush=True)
         proc.kill()
         proc.wait(timeout=30)
 
@@ -170,9 +174,10 @@ def time_serve(model: str, label: str) -> dict:
 
 
 def save_random_llama(layers: int, out_dir: str) -> str:
-    """A random Llama of --hidden width as a Ferry checkpoint that `engine.serve` can load, with the
+    """A random Llama of --hidden width as a Ferry checkpoint that `engine.entrypoints.serve` can load, with the
     embedded model's tokenizer (and so its vocabulary)."""
-    from models.loading import load_model, random_model, save_checkpoint
+    from models.checkpoints.ferry import save_checkpoint
+    from models.loading import load_model, random_model
 
     tokenizer_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "default")
     vocab = load_model(tokenizer_dir).cfg.vocab_size

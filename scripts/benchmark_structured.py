@@ -14,13 +14,14 @@ import time
 
 from absl import app, flags
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.structured import GrammarCompiler
 from models.config import ModelConfig
 from models.loading import random_model
 from models.packaged import resolve_packaged
-from models.tokenizer import load_tokenizer
+from models.tokenizers.load import load_tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("tokenizer", "smollm2", "a model directory, .gguf file or packaged name whose tokenizer to use")
@@ -55,7 +56,8 @@ def run(engine: LLMEngine, spec: StructuredOutputsParams | None) -> dict:
     engine.runner.timings.update(device_s=0.0, pack_s=0.0)
     for i in range(FLAGS.batch):
         engine.add_request(None, list(range(100 + i, 100 + i + PROMPT_LEN)),
-                           SamplingParams(temperature=1.0, seed=i, max_tokens=FLAGS.output_len, structured_outputs=spec))
+                           SamplingParams(temperature=1.0, seed=i, max_tokens=FLAGS.output_len,
+                                          structured_outputs=spec))
     tokens, full_batch_s, t0 = 0, [], time.perf_counter()
     while engine.has_unfinished():
         t = time.perf_counter()
@@ -110,7 +112,8 @@ def main(argv):
           f"{'full-batch steps':>16} {'ms/full-batch step':>18}")
     for r in rows:
         print(f"{'constrained' if r['constrained'] else 'free':>12} {r['output_tokens']:>7} {r['steps']:>6} "
-              f"{r['tokens_per_s']:>9.1f} {r['step_ms']:>8.2f} {r['pack_ms_per_step']:>8.2f} {r['device_ms_per_step']:>9.2f} "
+              f"{r['tokens_per_s']:>9.1f} {r['step_ms']:>8.2f} {r['pack_ms_per_step']:>8.2f} "
+              f"{r['device_ms_per_step']:>9.2f} "
               f"{r['full_batch_steps']:>16} {r['full_batch_step_ms']:>18.2f}")
     print(f"overhead of constraining every row, per step at batch {FLAGS.batch}: {100 * overhead:.1f}%")
     print(f"llguidance tokenizer: {compiled['tokenizer_s']:.2f} s (once per engine); schema compile + first mask: "

@@ -29,8 +29,8 @@ Backends are warmed up first (excluded from timing, reported), then interleaved 
 --repeats, the order rotating (rep 1: a, b, c; rep 2: b, c, a; ...), so slow drift of the machine and
 the place in the order (first, or last, of a repeat) hit all of them alike; the table quotes the median
 of the repeats and the ratios between backends. Each timed run starts after --settle_s idle seconds: the vLLM
-worker's threads, still busy after its own run, had cost Ferry's single request 16% (6.47 against 5.43
-ms/token; its 8-second throughput runs ~1%). Warm-up times:
+worker's threads, still busy after its own run, slowed the run after it (most of all Ferry's single request).
+Warm-up times:
 the second Ferry engine reuses the first one's in-process compilations, and LLMEngine's persistent
 compilation cache makes any later launch's warm-up short (FERRY_COMPILATION_CACHE=0 for cold ones).
 
@@ -61,23 +61,24 @@ directly. --model=DIR runs a Hugging Face (or, without transformers, a Ferry) ch
 
 import ast
 import dataclasses
-import json
 import os
-import subprocess
 import tempfile
 import time
 
+import bench_common as bc
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
+from throughput_backends import Run, TransformersBackend, VllmBackend, single_metrics, static_batches
 
-import bench_common as bc
+from engine.config import EngineConfig
 from engine.data_parallel import make_engine
-from engine.engine import EngineConfig, freeze_startup_heap
-from engine.runner import CompileCounter
+from engine.llm_engine import freeze_startup_heap
 from engine.sampling_params import SamplingParams
+from engine.worker.compilation import CompileCounter
+from models.checkpoints.ferry import FERRY_CONFIG
 from models.config import ModelConfig
-from models.loading import FERRY_CONFIG, LoadedModel, load_model, random_model
+from models.loading import LoadedModel, load_model, random_model
 
 BACKENDS = ("ferry", "ferry-sync", "ferry-nocache", "ferry-unrolled", "ferry-kv-bf16", "ferry-static",
             "transformers", "vllm")
@@ -144,15 +145,6 @@ flags.DEFINE_integer("single_output_len", 128, "single request: output tokens")
 flags.DEFINE_string("json_out", None, "write every result here")
 
 
-@dataclasses.dataclass(slots=True)
-class Run:
-    """One timed pass of a backend over the whole workload."""
-
-    elapsed_s: float
-    produced: list[int]              # output tokens each request got (counted per request)
-    extras: dict = dataclasses.field(default_factory=dict)
-
-
 def run_metrics(run: Run, requests: list[bc.BenchRequest]) -> dict:
     prompt_tokens = sum(bc.full_prompt_lens(requests))
     output_tokens = sum(run.produced)
@@ -161,12 +153,6 @@ def run_metrics(run: Run, requests: list[bc.BenchRequest]) -> dict:
             "output_tokens": output_tokens, "all_outputs_complete": complete,
             "requests_per_s": len(requests) / run.elapsed_s, "output_tokens_per_s": output_tokens / run.elapsed_s,
             "total_tokens_per_s": (prompt_tokens + output_tokens) / run.elapsed_s, **run.extras}
-
-
-def static_batches(requests: list[bc.BenchRequest], size: int, sort: bool) -> list[list[int]]:
-    """Request indices cut into consecutive batches of `size` (by prompt length if `sort`)."""
-    order = sorted(range(len(requests)), key=lambda i: requests[i].prompt_len) if sort else list(range(len(requests)))
-    return [order[i:i + size] for i in range(0, len(order), size)]
 
 
 def greedy_params(output_len: int) -> SamplingParams:
@@ -232,7 +218,8 @@ class FerryBackend:
         engine = self.engine
         stats = engine.stats()
         return {**engine.timings, "compiles": CompileCounter.count,
-                "preemptions": sum(stats["preemptions"].values()), "prefix_cache_queries": stats["prefix_cache_queries"],
+                "preemptions": sum(stats["preemptions"].values()),
+                "prefix_cache_queries": stats["prefix_cache_queries"],
                 "prefix_cache_hits": stats["prefix_cache_hits"]}
 
     @staticmethod
@@ -261,164 +248,6 @@ class FerryBackend:
                     first = time.perf_counter() - t0
         total = time.perf_counter() - t0
         return single_metrics(first, total, produced)
-
-
-def single_metrics(first_s: float, total_s: float, tokens: int) -> dict:
-    return {"ttft_ms": 1e3 * first_s, "e2e_ms": 1e3 * total_s, "output_tokens": tokens,
-            "ms_per_token": 1e3 * total_s / tokens,
-            "decode_ms_per_token": 1e3 * (total_s - first_s) / (tokens - 1) if tokens > 1 else None}
-
-
-# ------------------------------------------------------------------ transformers
-
-class TransformersBackend:
-    name = "transformers"
-
-    def __init__(self, model_dir: str, torch_dtype: str, device: str, threads: int):
-        import torch
-        import transformers
-
-        self.torch = torch
-        torch.set_num_threads(threads)
-        self.threads, self.device = threads, device
-        # A GGUF file goes through transformers' own GGUF reader (dequantized, as Ferry loads it).
-        where, gguf_file = (os.path.split(model_dir) if model_dir.endswith(".gguf") else (model_dir, None))
-        t0 = time.perf_counter()
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            where, gguf_file=gguf_file, dtype=getattr(torch, torch_dtype)).to(device).eval()
-        self.load_s = time.perf_counter() - t0
-        self.pad_id = self.model.config.pad_token_id or 0  # masked out: its value does not matter
-        # A fresh generation config: greedy, no EOS at all (so every row runs max_new_tokens), none of
-        # the checkpoint's sampling defaults.
-        self.model.generation_config = transformers.GenerationConfig(
-            do_sample=False, eos_token_id=None, pad_token_id=self.pad_id)
-
-    def _generate(self, prompts: list[list[int]], max_new_tokens: int, streamer=None) -> int:
-        """Greedy-generate a left-padded batch; returns how many tokens each row got."""
-        torch = self.torch
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        with torch.inference_mode():
-            out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
-                                      max_new_tokens=max_new_tokens, min_new_tokens=0, streamer=streamer)
-        generated = out.shape[1] - width
-        if generated != max_new_tokens:
-            raise RuntimeError(f"transformers generated {generated} tokens, not {max_new_tokens}: EOS not disabled?")
-        return generated
-
-    def warmup(self) -> float:
-        t0 = time.perf_counter()
-        self._generate([[1, 2, 3], [4, 5]], 2)
-        return time.perf_counter() - t0
-
-    def run(self, requests: list[bc.BenchRequest]) -> Run:
-        produced = [0] * len(requests)
-        t0 = time.perf_counter()
-        for batch in static_batches(requests, FLAGS.static_batch, FLAGS.static_sort):
-            generated = self._generate([requests[i].prompt_ids for i in batch],
-                                       max(requests[i].output_len for i in batch))
-            for i in batch:  # the padding rows' extra tokens are not throughput
-                produced[i] = min(requests[i].output_len, generated)
-        return Run(time.perf_counter() - t0, produced, {"torch_threads": self.threads})
-
-    def single(self, prompt_ids: list[int], output_len: int) -> dict:
-        """One request alone, its first token timed by a streamer (as Ferry's by its first delta)."""
-        clock = self._token_clock()
-        t0 = time.perf_counter()
-        produced = self._generate([prompt_ids], output_len, streamer=clock)
-        total = time.perf_counter() - t0
-        return single_metrics(clock.times[1] - t0, total, produced)
-
-    @staticmethod
-    def _token_clock():
-        """A streamer that only timestamps: generate() puts the prompt, then each new token."""
-        from transformers.generation.streamers import BaseStreamer
-
-        class TokenClock(BaseStreamer):
-            def __init__(self):
-                self.times = []
-
-            def put(self, value):
-                self.times.append(time.perf_counter())
-
-            def end(self):
-                pass
-
-        return TokenClock()
-
-
-# ------------------------------------------------------------------ vLLM (a subprocess in its own venv)
-
-class VllmBackend:
-    """scripts/vllm_worker.py under --vllm_python: one vLLM engine for the whole benchmark, fed each
-    timed pass as one JSON line; it times its own `generate` call (the pipe is not on the clock)."""
-
-    name = "vllm"
-
-    def __init__(self, python: str, model_dir: str, dtype: str, config: EngineConfig, log_dir: str):
-        cpus = os.cpu_count() or 1
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # vLLM's venv, not Ferry's tree
-        env.update(VLLM_CPU_OMP_THREADS_BIND=FLAGS.vllm_threads_bind or f"0-{cpus - 1}",
-                   VLLM_CPU_KVCACHE_SPACE=str(FLAGS.vllm_kvcache_gib), TOKENIZERS_PARALLELISM="false")
-        self.env = {k: env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
-        self.args = {"model": model_dir, "dtype": dtype, "max_model_len": config.max_model_len,
-                     "max_num_seqs": config.max_num_seqs, "seed": FLAGS.seed}
-        if FLAGS.vllm_max_num_batched_tokens:
-            self.args["max_num_batched_tokens"] = FLAGS.vllm_max_num_batched_tokens
-        self.log_path = os.path.join(log_dir, "vllm_worker.log")
-        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
-        self.proc = subprocess.Popen([python, worker, json.dumps(self.args)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True, env=env)
-        ready = self._answer()
-        self.load_s, self.version = ready["load_s"], ready["vllm_version"]
-        self.requests: list[bc.BenchRequest] = []  # the workload, for warm-up (set by make_backend)
-
-    def _answer(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait()
-            tail = open(self.log_path).read()[-4000:]
-            raise RuntimeError(f"vLLM worker exited ({self.proc.returncode}):\n{tail}")
-        answer = json.loads(line)
-        if "error" in answer:
-            raise RuntimeError(f"vLLM worker: {answer['error']}")
-        return answer
-
-    def _ask(self, **command) -> dict:
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def _generate(self, requests: list[bc.BenchRequest]) -> dict:
-        if any(r.follows is not None for r in requests):
-            raise RuntimeError("the vllm backend runs independent requests only (not --workload=multi_turn)")
-        return self._ask(op="generate", prompts=[r.prompt_ids for r in requests],
-                         output_lens=[r.output_len for r in requests])
-
-    def warmup(self) -> float:
-        """One untimed pass over the workload: whatever vLLM compiles or captures on first sight of a
-        shape happens here."""
-        t0 = time.perf_counter()
-        self._generate(self.requests)
-        return time.perf_counter() - t0
-
-    def run(self, requests: list[bc.BenchRequest]) -> Run:
-        answer = self._generate(requests)
-        return Run(answer["elapsed_s"], answer["produced"], {"vllm_version": self.version, **self.env})
-
-    def single(self, prompt_ids: list[int], output_len: int) -> dict:
-        answer = self._ask(op="single", prompt=prompt_ids, output_len=output_len)
-        return single_metrics(answer["ttft_s"], answer["total_s"], answer["produced"])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.proc.stdin.close()
-            self.proc.wait(timeout=120)
 
 
 def available_backends(names: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -478,7 +307,7 @@ def build_workload(model: LoadedModel) -> list[bc.BenchRequest]:
     if FLAGS.dataset:
         if model.path is None:
             raise app.UsageError("--dataset needs --model=DIR with a tokenizer")
-        from models.tokenizer import load_tokenizer
+        from models.tokenizers.load import load_tokenizer
         tokenizer = load_tokenizer(model.path)
         return bc.dataset_requests(bc.read_jsonl_prompts(FLAGS.dataset, FLAGS.num_prompts), tokenizer.encode,
                                    output_range, FLAGS.seed)
@@ -543,10 +372,14 @@ def make_backend(name: str, model: LoadedModel, hf_dir: str | None, config: Engi
     if name == "ferry-static":
         return FerryBackend(name, model, config, batch_size=FLAGS.static_batch)
     if name == "vllm":
-        backend = VllmBackend(FLAGS.vllm_python, hf_dir, FLAGS.dtype, config, scratch)
+        backend = VllmBackend(FLAGS.vllm_python, hf_dir, FLAGS.dtype, max_model_len=config.max_model_len,
+                              max_num_seqs=config.max_num_seqs, seed=FLAGS.seed, log_dir=scratch,
+                              threads_bind=FLAGS.vllm_threads_bind, kvcache_gib=FLAGS.vllm_kvcache_gib,
+                              max_num_batched_tokens=FLAGS.vllm_max_num_batched_tokens)
         backend.requests = requests
         return backend
-    return TransformersBackend(hf_dir, FLAGS.dtype, FLAGS.torch_device, FLAGS.torch_threads or os.cpu_count())
+    return TransformersBackend(hf_dir, FLAGS.dtype, FLAGS.torch_device, FLAGS.torch_threads or os.cpu_count(),
+                               FLAGS.static_batch, FLAGS.static_sort)
 
 
 # ------------------------------------------------------------------ the benchmark
@@ -564,8 +397,8 @@ def time_backends(backends, requests) -> dict:
         compiles = CompileCounter.count
         results[b.name] = {"load_s": getattr(b, "load_s", None), "warmup_s": b.warmup(),
                            "warmup_compiles": CompileCounter.count - compiles, "repeats": []}
-    # As engine.serve does, and vLLM's engine core (in its own process here) does for itself: the start-up
-    # heap out of the cyclic GC's sight, else a full collection of it lands in a timed run (~0.2 s).
+    # As engine.entrypoints.serve does, and vLLM's engine core (in its own process here) does for itself: the start-up
+    # heap out of the cyclic GC's sight, else a full collection of it lands in a timed run.
     freeze_startup_heap()
     for rep in range(FLAGS.repeats):
         for b in rotated(backends, rep):

@@ -30,8 +30,9 @@ import time
 
 from absl import app, flags
 
-from engine import cli_flags
-from engine.engine import LLM, RequestOutput
+from engine.entrypoints import cli_flags
+from engine.llm import LLM
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 FLAGS = flags.FLAGS

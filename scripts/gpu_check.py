@@ -11,7 +11,7 @@ then the same cases through the Triton-language kernel called by jax_triton.trit
 (jax_triton_attention.py), when the `jax-triton` package imports here; otherwise its rows are
 replaced by one line saying why (e.g. "jax-triton: not installed"), which does not fail the run.
 On a jax without Pallas' Triton backend the Pallas rows are skipped the same way. --smoke skips
-jax-triton (triton_call needs a GPU; tests/test_jax_triton.py checks the kernel on CPU).
+jax-triton (triton_call needs a GPU; tests/pallas_kernels/test_jax_triton.py checks the kernel on CPU).
 
 Cases (defaults): decode with batch 64, 32 query / 8 KV heads, head_dim 128, bf16, block 16, at
 mixed contexts up to 4k and at 4k for all; a small-batch long-context decode (split-K); chunked
@@ -42,11 +42,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.paged_attention import paged_decode_attention  # noqa: E402
-from pallas_kernels.prefill_attention import paged_prefill_attention  # noqa: E402
-from pallas_kernels.reference import (  # noqa: E402
-    paged_decode_attention_ref, paged_prefill_attention_ref)
-from pallas_kernels.triton_common import pallas_triton_available  # noqa: E402
+from pallas_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref  # noqa: E402
+from pallas_kernels.triton.common import pallas_triton_available  # noqa: E402
+from pallas_kernels.triton.decode import paged_decode_attention  # noqa: E402
+from pallas_kernels.triton.prefill import paged_prefill_attention  # noqa: E402
 
 TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-5}
 
@@ -168,7 +167,7 @@ def jax_triton_unavailable() -> str | None:
 
 def jax_triton_kernel(decode: bool):
     """make_kernel(scale, soft_cap) for the jax-triton kernel (decode ignores the qsl slot)."""
-    from pallas_kernels.jax_triton_attention import paged_attention_jax_triton  # noqa: PLC0415
+    from pallas_kernels.triton.jax_triton import paged_attention_jax_triton  # noqa: PLC0415
 
     def make(scale, soft_cap):
         if decode:

@@ -16,7 +16,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_tiny  # noqa: E402  (a sibling script: the corpus and the split live there)
 
-from models.tokenizer import load_tokenizer  # noqa: E402
+from models.tokenizers.load import load_tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "heldout.jsonl", "where to write the task file")

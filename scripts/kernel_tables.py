@@ -33,11 +33,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from attention_cases import TOL, decode_inputs, prefill_batch, prefill_inputs  # noqa: E402
-from pallas_kernels import native  # noqa: E402
+from helpers.attention_cases import TOL, decode_inputs, prefill_batch, prefill_inputs  # noqa: E402
 from pallas_kernels.attention import paged_attention  # noqa: E402
-from pallas_kernels.lowering import (  # noqa: E402
-    MODEL_HEAD_SHAPES, TPU_CALL_TARGET, TRITON_CALL_TARGETS, export_for)
+from pallas_kernels.lowering import MODEL_HEAD_SHAPES, TPU_CALL_TARGET, TRITON_CALL_TARGETS, export_for  # noqa: E402
+from pallas_kernels.native import library  # noqa: E402
+from pallas_kernels.native import ops as native  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ERROR_IMPLS = ("reference", "native", "pallas_interpret", "jax_triton_interpret",
@@ -58,8 +58,8 @@ def parse_args(argv=None):
 
 def _why_not(impl: str, dtype) -> str | None:
     """None if `impl` runs here for `dtype`, else the reason."""
-    if impl == "native" and not (native.available() and native.supports(dtype, dtype)):
-        return "n/a: not built" if not native.available() else "n/a: dtype unsupported"
+    if impl == "native" and not (library.available() and native.supports(dtype, dtype)):
+        return "n/a: not built" if not library.available() else "n/a: dtype unsupported"
     if impl == "jax_triton_interpret":
         for package in ("triton", "torch"):
             try:
@@ -72,7 +72,7 @@ def _why_not(impl: str, dtype) -> str | None:
 def _run(impl, inputs, *, decode, scale, soft_cap):
     q, k, v, tables, lens, qsl = inputs
     if impl == "jax_triton_interpret":
-        from pallas_kernels.jax_triton_attention import run_interpreted
+        from pallas_kernels.triton.jax_triton import run_interpreted
         return run_interpreted(q, k, v, tables, lens, qsl, decode=decode, scale=scale,
                                soft_cap=soft_cap)
     return paged_attention(q, k, v, tables, lens, qsl, decode=decode, scale=scale,
@@ -157,7 +157,7 @@ def lowering_rows(shapes) -> list[dict]:
 
 def compile_rows(shapes, capabilities) -> list[dict]:
     try:
-        from pallas_kernels.jax_triton_attention import compile_for_gpu
+        from pallas_kernels.triton.jax_triton import compile_for_gpu
     except ImportError as e:
         return [dict(shape="*", capability="*", mode="*", status=f"n/a: {_first_line(e)}")]
     rows = []

@@ -35,7 +35,8 @@ print("JAX", jax.__version__, "on", jax.default_backend())"""),
 Hugging Face directory (`config.json` + `*.safetensors`: Llama, Qwen, Mistral, Gemma) or a Ferry
 checkpoint such as `models/default`, the 5M demo model that ships in the repository (set `FERRY_MODEL`).
 Step programs compile on first use; JAX's persistent compilation cache keeps them for the next run."""),
-    ("code", """from engine.engine import LLM, EngineConfig, LLMEngine
+    ("code", """from engine.config import EngineConfig
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 MODEL = os.environ.get("FERRY_MODEL", "smollm2")
@@ -52,7 +53,8 @@ greedy = SamplingParams(temperature=0.0, max_tokens=48)"""),
 
 `LLM.chat` renders each conversation with the model's chat template (here from the GGUF metadata) and
 generates the replies together, as vLLM's `LLM.chat` does."""),
-    ("code", """reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy, use_tqdm=False)
+    ("code",
+     """reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy, use_tqdm=False)
 print(reply[0].outputs[0].text)"""),
     ("md", "A batch of conversations is one call; every request runs in the same engine steps."),
     ("code", """questions = ["What is the capital of Japan?", "Name three primary colors.", "What is 2 + 2?",
@@ -91,7 +93,8 @@ import matplotlib.pyplot as plt
 rng = np.random.default_rng(0)
 for i in range(40):
     prompt = rng.integers(5, cfg.vocab_size, size=int(rng.integers(8, 64))).tolist()
-    engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=int(rng.integers(8, 64)), ignore_eos=True))
+    engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=int(rng.integers(8, 64)),
+                                                    ignore_eos=True))
 queues = {"running": [], "waiting": [], "swapped": []}
 admitted, preempted = [], []
 while engine.has_unfinished():
@@ -106,9 +109,11 @@ print(engine.scheduler.stats())
 steps = np.arange(len(admitted))
 fig, ax = plt.subplots(figsize=(10, 4))
 ax.stackplot(steps, queues["running"], queues["swapped"], queues["waiting"],
-             labels=["running", "swapped to host", "waiting"], colors=["tab:green", "tab:orange", "tab:gray"], alpha=0.8)
+             labels=["running", "swapped to host", "waiting"], colors=["tab:green", "tab:orange",
+                                                                       "tab:gray"], alpha=0.8)
 top = max(r + s + w for r, s, w in zip(*queues.values()))
-for rows, label, marker, color in ((admitted, "admissions", "v", "tab:blue"), (preempted, "preemptions", "x", "tab:red")):
+for rows, label, marker, color in ((admitted, "admissions", "v", "tab:blue"), (preempted, "preemptions", "x",
+                                                                               "tab:red")):
     hit = [i for i, n in enumerate(rows) if n]
     ax.scatter(hit, [top + (1 if marker == "v" else 2.5)] * len(hit), s=[20 + 15 * rows[i] for i in hit],
                marker=marker, color=color, label=f"{label} ({sum(rows)})")
@@ -131,13 +136,13 @@ plt.figure(figsize=(5, 3)); plt.plot(*zip(*rows), marker="o"); plt.title("decode
 plt.xlabel("requests decoded together"); plt.ylabel("output tokens/s"); plt.xscale("log", base=2); plt.show()"""),
     ("md", """## Serve it: the OpenAI-compatible API
 
-`make serve` (or `python -m engine.serve --model=smollm2`) runs this server from a shell. Here it runs
+`make serve` (or `python -m engine.entrypoints.serve --model=smollm2`) runs this server from a shell. Here it runs
 the same engine in a background thread on a free port, and the official `openai` client talks to it,
 streaming too."""),
     ("code", """import socket, threading
 import uvicorn
 from openai import OpenAI
-from engine.server import ServerConfig, build_app
+from engine.entrypoints.server import ServerConfig, build_app
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]

@@ -14,10 +14,9 @@ import os
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
+import bench_common as bc  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags  # noqa: E402
-
-import bench_common as bc  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("serving_json", [], "benchmark_serving.py results")
@@ -117,7 +116,7 @@ def plot_backend_throughput(results: list[dict], labels: list[str]) -> str:
     ax.set_title("offline throughput by backend")
     ax.grid(True, axis="y", alpha=0.3)
     if single:
-        plot_single_request(axes[0][1], single, [l for r, l in zip(results, labels) if r.get("single_request")],
+        plot_single_request(axes[0][1], single, [label for r, label in zip(results, labels) if r.get("single_request")],
                             len(results) > 1)
     return save(fig, "throughput_backends.png")
 

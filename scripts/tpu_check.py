@@ -8,7 +8,7 @@ block tables), timing method and table.
   python scripts/tpu_check.py --json_out out.json  # also write the results as JSON
   python scripts/tpu_check.py --smoke              # tiny shapes, TPU interpreter, any backend
 
-The kernel is pallas_kernels/tpu_attention.py (ragged paged attention: decode and chunked prefill
+The kernel is pallas_kernels/tpu/ragged_paged_attention.py (ragged paged attention: decode and chunked prefill
 through one pallas_call). "decode split-K" is gpu_check's small-batch long-context case; the TPU
 kernel has no split-K, so it shows how a few long sequences fare. Exits 1 on any mismatch.
 """
@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
-
 from gpu_check import copy_bandwidth, parse_args, report, run_cases  # noqa: E402
-from pallas_kernels.tpu_attention import ragged_paged_attention_tpu  # noqa: E402
+
+from pallas_kernels.tpu.ragged_paged_attention import ragged_paged_attention_tpu  # noqa: E402
 
 
 def tpu_kernel(decode: bool, interpret: bool):

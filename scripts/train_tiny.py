@@ -29,22 +29,23 @@ import sysconfig
 import textwrap
 import time
 
-from absl import app, flags, logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import app, flags, logging
 from flax import nnx
 from tqdm import tqdm
 
-from engine.packing import SeqSlice, StepLayout, bucket, pack
-from engine.step import model_step
+from engine.worker.packing import SeqSlice, StepLayout, bucket, pack
+from engine.worker.step import model_step
+from models.checkpoints.ferry import save_checkpoint
 from models.config import ModelConfig
-from models.loading import LoadedModel, load_model, random_model, save_checkpoint
+from models.loading import LoadedModel, load_model, random_model
 from models.paged import init_kv_cache
-from models.tokenizer import load_tokenizer
-from models.transformer import apply_rope, rope_cos_sin
+from models.tokenizers.load import load_tokenizer
+from models.transformer import ForwardContext, apply_rope, rope_cos_sin
+from pallas_kernels.kernels import Kernels
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 # Test directories hold fixtures and deliberately broken code, not documentation.
@@ -274,12 +275,12 @@ def model_config(opts: TrainOptions, vocab_size: int) -> ModelConfig:
         bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,))
 
 
-def causal_attention(attn, x, cos, sin):
+def causal_attention(attn, x, cos, sin, ctx):
     """x [B, S, hidden] -> [B, S, hidden]: the paged Attention's math, over whole sequences, no cache."""
     cfg = attn.cfg
     b, s, _ = x.shape
     groups = cfg.num_heads // cfg.num_kv_heads
-    q, k, v = attn.project(x)  # [B, S, heads, D]
+    q, k, v = attn.project(x, ctx)  # [B, S, heads, D]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos/sin [S, D] broadcast over the batch
     # Query head h reads KV head h // groups (Hugging Face's repeat_kv order).
     q = q.reshape(b, s, cfg.num_kv_heads, groups, cfg.head_dim)
@@ -289,7 +290,7 @@ def causal_attention(attn, x, cos, sin):
     causal = jnp.tril(jnp.ones((s, s), bool))
     probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, cfg.num_heads * cfg.head_dim)
-    return attn.o_proj(out)
+    return attn.o_proj(out, ctx)
 
 
 def causal_lm_logits(model, tokens):
@@ -300,12 +301,14 @@ def causal_lm_logits(model, tokens):
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
     cos, sin = rope_cos_sin(jnp.asarray(cfg.rope_inv_freq()), jnp.arange(tokens.shape[1]), x.dtype)
 
-    def layer_step(layer, x, _):
-        x = x + causal_attention(layer.self_attn, layer.input_layernorm(x), cos, sin)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+    def layer_step(layer, x, ctx):
+        x = x + causal_attention(layer.self_attn, layer.input_layernorm(x, ctx), cos, sin, ctx)
+        return x + layer.mlp(layer.post_attention_layernorm(x, ctx), ctx)
 
-    x = model.norm(model.scan_layers(layer_step, x))
-    logits = model.embed_tokens.attend(x) if cfg.tie_word_embeddings else model.lm_head(x)
+    # Plain jnp throughout (differentiable: no custom call), on whatever device trains
+    ctx = ForwardContext(Kernels(jax.default_backend(), "reference", native=False))
+    x = model.norm(model.scan_layers(layer_step, x, ctx), ctx)
+    logits = model.embed_tokens.attend(x) if cfg.tie_word_embeddings else model.lm_head(x, ctx)
     logits = logits.astype(jnp.float32)
     if cfg.final_logit_softcap:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
@@ -323,7 +326,10 @@ def make_optimizer(opts: TrainOptions) -> optax.GradientTransformation:
         init_value=0.0, peak_value=opts.lr, warmup_steps=min(opts.warmup_steps, max(opts.steps - 1, 1)),
         decay_steps=max(opts.steps, 2), end_value=opts.lr * 0.1)
     # Decay matrices only: norm weights are scales whose natural value is 1, not 0.
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+
+    def decay_mask(params):
+        return jax.tree.map(lambda p: p.ndim >= 2, params)
+
     return optax.chain(
         optax.clip_by_global_norm(opts.clip_norm),
         optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=opts.weight_decay, mask=decay_mask))
@@ -364,20 +370,22 @@ def unigram_perplexity(train_stream: np.ndarray, held_out: np.ndarray, vocab_siz
 # ---------------------------------------------------------------- generation through the paged path
 
 def paged_greedy(loaded: LoadedModel, prompt: list[int], num_new: int, block_size: int = 16) -> list[int]:
-    """Greedy continuation (stopping at EOS) through engine.step.model_step and the paged KV cache."""
+    """Greedy continuation (stopping at EOS) through engine.worker.step.model_step and the paged KV cache."""
     cfg = loaded.cfg
     num_new = min(num_new, loaded.max_model_len - len(prompt))
     pages = -(-(len(prompt) + num_new) // block_size)
     cache = init_kv_cache(cfg.num_layers, 1 + pages, block_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype)
     table = list(range(1, 1 + pages))  # block 0 is the null block
     layout = StepLayout(bucket(len(prompt), 16), 1, pages, 1, decode=False)
+    kernels = Kernels.for_platform(jax.default_backend(), loaded.dtype)
     logits, cache = model_step(loaded.graphdef, loaded.state, cache,
-                               pack([SeqSlice(prompt, 0, table)], layout, block_size), layout)
+                               pack([SeqSlice(prompt, 0, table)], layout, block_size), layout, kernels)
     tokens = [int(np.argmax(logits[0]))]
     layout = StepLayout(1, 1, pages, 1, decode=True)
     while len(tokens) < num_new and tokens[-1] not in cfg.eos_token_ids:
         seq = SeqSlice([tokens[-1]], len(prompt) + len(tokens) - 1, table)
-        logits, cache = model_step(loaded.graphdef, loaded.state, cache, pack([seq], layout, block_size), layout)
+        logits, cache = model_step(loaded.graphdef, loaded.state, cache, pack([seq], layout, block_size), layout,
+                                   kernels)
         tokens.append(int(np.argmax(logits[0])))
     return tokens
 
@@ -411,7 +419,8 @@ def train(opts: TrainOptions, command_line: list[str] | None = None) -> dict:
     """The whole run: corpus, tokenizer, training, checkpoint, samples; returns (and writes) the report."""
     started = time.time()
     os.makedirs(opts.out_dir, exist_ok=True)
-    train_docs, held_out_docs = split_documents(corpus_documents(opts.max_source_files), opts.holdout_fraction, opts.max_docs, opts.seed)
+    train_docs, held_out_docs = split_documents(corpus_documents(opts.max_source_files), opts.holdout_fraction,
+                                                opts.max_docs, opts.seed)
     print(f"{len(train_docs)} training documents, {len(held_out_docs)} held out", flush=True)
 
     write_tokenizer_files(opts.out_dir, train_sentencepiece(train_docs, opts.vocab, opts.tokenizer_type),

@@ -15,10 +15,11 @@ import pytest
 from nbclient import NotebookClient
 from openai import OpenAI
 
+from helpers.repo import ROOT as REPO_ROOT
 from models.loading import load_model
-from models.tokenizer import load_tokenizer
+from models.tokenizers.load import load_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 DEFAULT_MODEL = os.path.join(ROOT, "models", "default")
 
 
@@ -50,8 +51,8 @@ def test_embedded_model_loads_with_its_tokenizer():
 
 def test_make_serve_on_a_clean_copy(tmp_path):
     """`make serve` in a fresh copy of the tracked files serves SmolLM2-135M-Instruct: asked "What is the
-    capital of France?" through the OpenAI client, it answers with Paris, streamed and not. The copy reuses this test run's environment
-    (make -o: the install step counts as done) rather than installing a second one."""
+    capital of France?" through the OpenAI client, it answers with Paris, streamed and not. The copy reuses this test
+    run's environment (make -o: the install step counts as done) rather than installing a second one."""
     copy = tmp_path / "ferry"
     for name in _tracked_files():
         (copy / name).parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +99,7 @@ def test_demo_notebook_runs_end_to_end():
     real answers from LLM.chat and through the server, streaming, and both plots."""
     nb = nbformat.read(os.path.join(ROOT, "notebooks", "demo.ipynb"), as_version=4)
     # Minutes of a 135M-parameter model, not compiles: its kernel runs XLA's CPU backend at its default
-    # optimisation level, not the -O0 that tests/conftest.py sets for the tiny models (measured: 198 s at -O0).
+    # optimisation level, not the -O0 that tests/conftest.py sets for the tiny models (at -O0 it runs minutes).
     flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
     NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute(
         env={**os.environ, "XLA_FLAGS": flags})

@@ -1,0 +1,47 @@
+"""EngineConfig: every setting of one engine (cache, batch, parallelism, scheduling, warm-up)."""
+
+import dataclasses
+
+WARMUP_MODES = ("full", "lazy", "none")
+
+
+@dataclasses.dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None          # KV blocks incl. the null block; None: from the budget below
+    memory_fraction: float = 0.5           # of free accelerator memory for the KV cache (not on CPU)
+    cpu_kv_cache_gib: float = 4.0          # KV-cache budget on CPU, GiB (as vLLM's VLLM_CPU_KVCACHE_SPACE)
+    max_num_seqs: int = 64                 # decode batch cap
+    max_num_batched_tokens: int = 512      # tokens per step (decode + prefill chunks)
+    max_model_len: int | None = None       # None: the model's own
+    chunk_size: int | None = None          # prefill chunk cap; None: whole prompts up to the token budget
+    watermark_blocks: int = 0
+    preemption_mode: str = "swap"          # or "recompute"
+    num_host_blocks: int | None = None     # swap space; None: as many as device blocks
+    kv_dtype: str | None = None            # None: the model's dtype
+    attention_impl: str | None = None      # None: by backend (pallas_kernels.attention)
+    dtype: str | None = None               # model dtype when loading from a path
+    seed: int = 0                          # draws the seeds of requests that give none
+    enable_prefix_caching: bool = True     # reuse the K/V of cached leading prompt blocks (kv_cache_manager)
+    tensor_parallel_size: int = 1          # devices one model is split over (models/sharding.py)
+    data_parallel_size: int = 1            # independent replicas, each on its own tensor_parallel_size devices
+    scan_layers: bool = True               # one scanned layer (compile time independent of depth); False:
+                                           # layers unrolled, compile time ~ depth
+    async_scheduling: bool = True          # plan and dispatch the next decode step while the last one runs,
+                                           # its tokens fed on the device (LLMEngine.step_core)
+    warmup: str = "none"                   # compile in __init__: "full" every step shape, both samplers;
+                                           # "lazy" each sampler's largest decode and prefill (steps pad up
+                                           # to them), the rest in the background;
+                                           # "none" each shape on first use
+
+    def __post_init__(self):
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', not {self.preemption_mode!r}")
+        if self.warmup not in WARMUP_MODES:
+            raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, not {self.warmup!r}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, not {self.cpu_kv_cache_gib}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")

@@ -1,0 +1,260 @@
+"""KVCacheManager: owns the device and host block pools and every change to a request's blocks, and the
+automatic prefix cache. The scheduler decides who gets blocks; only this module hands them out.
+
+Prefix caching (vLLM v1's automatic prefix caching, SGLang's RadixAttention as a hash chain):
+  - every FULL block of a request's tokens has a hash chained from its parent block's hash and its token
+    ids (and, for the first block, the request's optional cache_salt), so equal hashes mean equal tokens
+    AND equal context, hence equal K/V;
+  - once a block's K/V are written (after the step that computed them), it is published under its hash;
+  - admission reuses the longest run of leading published blocks (ref count + 1) and prefills only the
+    rest, capped so at least the last token of the prefill target is computed (it yields the logits);
+  - freed blocks keep their hash and K/V until their space is needed (block_pool.BlockPool: never-cached
+    free blocks go first, then cached ones least recently freed first; sequences free tail first).
+"""
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.core.block_pool import BlockPool, HostBlockPool
+from engine.core.invariants import check
+from engine.core.request import Request, RequestStatus
+
+ROOT_HASH = bytes(32)  # the parent of a sequence's first block
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block_tokens(parent: bytes | None, tokens: Sequence[int], cache_salt: str | None = None) -> bytes:
+    """SHA-256 of (parent hash, the block's token ids, for a first block the salt). SHA-256 rather than
+    Python's hash(): a 64-bit hash of attacker-chosen prompts can be made to collide, and a collision
+    would serve one tenant's K/V to another; SHA-256 also stays equal across processes. The encoding is
+    unambiguous: a 32-byte parent, then block_size fixed-width int64 tokens, then 0x01 + salt."""
+    digest = hashlib.sha256(parent if parent is not None else ROOT_HASH)
+    digest.update(array("q", tokens).tobytes())
+    if parent is None and cache_salt is not None:
+        digest.update(b"\x01" + cache_salt.encode())
+    return digest.digest()
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Cumulative, like vLLM's prefix_cache_queries / prefix_cache_hits counters (in tokens)."""
+
+    requests: int = 0   # admissions that looked the cache up
+    queries: int = 0    # tokens those admissions had to have in the cache (their prefill targets)
+    hits: int = 0       # of those, tokens found there (not prefilled)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.device_pool = BlockPool(num_blocks)
+        self.host_pool = HostBlockPool(num_host_blocks)
+        self.prefix_stats = PrefixCacheStats()
+        # request id -> how many of its leading blocks were published (or were hits): only blocks past
+        # it are hashed and published when its computed tokens grow
+        self._num_published: dict[str, int] = {}
+
+    # -------------------------------------------------------------- sizes
+
+    @property
+    def num_total(self) -> int:
+        return self.device_pool.num_total
+
+    @property
+    def num_free(self) -> int:
+        """Free device blocks, evictable cached ones included (they are handed out when needed)."""
+        return self.device_pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def num_blocks(self, request: Request) -> int:
+        """Blocks the request holds: on the device, plus on the host while swapped."""
+        return len(request.block_ids) + len(request.host_block_ids)
+
+    def needs_decode_slot(self, request: Request) -> bool:
+        """A decoding request (or one resuming to decode) whose next position starts a new block."""
+        return not request.in_prefill and self.blocks_for(request.num_tokens) > self.num_blocks(request)
+
+    def decode_slot_takers(self, decoders: list[Request], ahead: int = 0) -> list[Request]:
+        """needs_decode_slot over running decoders (known past their prefill, no host blocks): the scheduler's
+        per-step pass over the whole batch, so one comparison each. `ahead`: tokens each has in flight, not yet
+        counted in num_tokens (async scheduling), whose slots come first."""
+        bs = self.block_size
+        return [r for r in decoders if len(r.block_ids) * bs < r.num_tokens + ahead]
+
+    # -------------------------------------------------------------- admission
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        """The published blocks holding the request's leading tokens, as long a run as exists but leaving at
+        least the last token of its prefill target to compute. Changes nothing (hashes aside). A request
+        scoring its prompt gets none (as in vLLM): every prompt position must run to be scored."""
+        if not self.enable_prefix_caching or request.block_ids or request.host_block_ids or request.scores_prompt:
+            return []
+        hits = []
+        for block_hash in self._block_hashes(request, (request.prefill_target - 1) // self.block_size):
+            block_id = self.device_pool.cached_block(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def admission_cost(self, request: Request, hits: list[int]) -> int:
+        """Free blocks that admitting `request` with these hits consumes: a swapped request's host blocks
+        (and its decode slot), else the blocks for the rest of its prefill target; plus every hit on a free
+        (evictable) cached block, which leaves the free count. A hit on a held block costs nothing."""
+        if request.status is RequestStatus.SWAPPED:
+            return len(request.host_block_ids) + self.needs_decode_slot(request)
+        new = self.blocks_for(request.prefill_target) - len(request.block_ids) - len(hits)
+        return new + sum(self.device_pool.ref_count(b) == 0 for b in hits)
+
+    def take_prefix(self, request: Request, hits: list[int]) -> None:
+        """Admit a waiting request's cache hits: it holds them and starts computing after them."""
+        if request.block_ids or request.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id!r}: only a waiting request without blocks takes hits")
+        self.device_pool.touch(hits)
+        request.block_ids = list(hits)
+        request.num_computed_tokens = len(hits) * self.block_size
+        self._num_published[request.request_id] = len(hits)
+        if self.enable_prefix_caching:
+            self.prefix_stats.requests += 1
+            self.prefix_stats.queries += request.prefill_target
+            self.prefix_stats.hits += request.num_computed_tokens
+
+    def allocate_prefill(self, request: Request) -> list[int] | None:
+        """New blocks up to the request's whole prefill target, appended to its blocks; None (nothing
+        changed) when they don't fit."""
+        return self._allocate(request, self.blocks_for(request.prefill_target) - len(request.block_ids))
+
+    def allocate_decode_slots(self, decoders: list[Request]) -> bool:
+        """One block each for running decoders whose next position starts one (decode_slot_takers), taken in
+        one pool call; False (nothing changed) when they don't all fit."""
+        if len(decoders) > self.device_pool.num_free:
+            return False
+        for request, block_id in zip(decoders, self.device_pool.allocate(len(decoders))):
+            request.block_ids.append(block_id)
+        return True
+
+    def _allocate(self, request: Request, n: int) -> list[int] | None:
+        if n > self.device_pool.num_free:
+            return None
+        new = self.device_pool.allocate(n)
+        request.block_ids += new
+        return new
+
+    def num_held_alone(self, requests: list[Request], exclude: list[int]) -> int:
+        """Device blocks that evicting these requests surely frees, swap or recompute: the ones each holds
+        alone (a shared block outlives its holder), less `exclude` (an admission's own hits about to be
+        shared). O(their blocks)."""
+        excluded = set(exclude)
+        return sum(self.device_pool.ref_count(b) == 1 and b not in excluded for r in requests for b in r.block_ids)
+
+    # -------------------------------------------------------------- release
+
+    def free(self, request: Request) -> None:
+        """Release all of a request's device and host blocks, tail first (so the cache evicts a sequence's
+        tail before its head)."""
+        self.device_pool.free(request.block_ids[::-1])
+        self.host_pool.free(request.host_block_ids)
+        self._num_published.pop(request.request_id, None)
+        request.block_ids, request.host_block_ids = [], []
+
+    def release_host_blocks(self, host_block_ids: list[int]) -> None:
+        """Host blocks a swap-in has read (released once no same-step swap-out can be given them)."""
+        self.host_pool.free(host_block_ids)
+
+    # -------------------------------------------------------------- swapping
+
+    def swap_out(self, request: Request) -> tuple[list[int], list[int]] | None:
+        """Plan moving a running request's K/V to host memory: (device ids, host ids) to copy, or None
+        (nothing changed) when the host pool is short. The rule for shared blocks: the leading run of
+        blocks that others also hold (cache hits, always a sequence's head) stays on the device, still
+        held by the request: copying them would free nothing. Every block from the first one it holds
+        alone is copied to the host and freed on the device (a cached one stays in the cache)."""
+        keep = 0
+        while keep < len(request.block_ids) and self.device_pool.ref_count(request.block_ids[keep]) > 1:
+            keep += 1
+        moved = request.block_ids[keep:]
+        if len(moved) > self.host_pool.num_free:
+            return None
+        host_ids = self.host_pool.allocate(len(moved))
+        self.device_pool.free(moved[::-1])
+        request.block_ids, request.host_block_ids = request.block_ids[:keep], host_ids
+        rid = request.request_id
+        self._num_published[rid] = min(self._num_published.get(rid, 0), keep)
+        return moved, host_ids
+
+    def swap_in(self, request: Request) -> tuple[list[int], list[int]] | None:
+        """Plan bringing a swapped request's host blocks back: (host ids, device ids) to copy, or None
+        (nothing changed) when the device is short. The host blocks stay allocated: the caller releases
+        them with release_host_blocks once the step's swap-outs were planned."""
+        host_ids = request.host_block_ids
+        device_ids = self._allocate(request, len(host_ids))
+        if device_ids is None:
+            return None
+        request.host_block_ids = []
+        return host_ids, device_ids
+
+    # -------------------------------------------------------------- the prefix cache
+
+    def publish_computed(self, request: Request) -> None:
+        """Publish the request's full blocks whose K/V are now written (call after each step that
+        computed tokens for it); an already published content keeps its first block."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        done, full = self._num_published.get(rid, 0), request.num_computed_tokens // self.block_size
+        if full <= done:
+            return
+        hashes = self._block_hashes(request, full)
+        for i in range(done, full):
+            self.device_pool.cache(request.block_ids[i], hashes[i])
+        self._num_published[rid] = full
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (nothing changed) while any cached block is held."""
+        return self.device_pool.reset_cache()
+
+    def _block_hashes(self, request: Request, n: int) -> list[bytes]:
+        """The hashes of the request's first n full blocks, extending the ones kept on the request (its
+        tokens only ever grow, so they stay valid)."""
+        hashes, size = request.block_hashes, self.block_size
+        if len(hashes) < n:
+            tokens = request.all_token_ids
+            for i in range(len(hashes), n):
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * size:(i + 1) * size],
+                                                request.cache_salt))
+        return hashes[:n]
+
+    # -------------------------------------------------------------- observability
+
+    def stats(self) -> dict:
+        s = self.prefix_stats
+        return {"kv_usage": self.device_pool.usage, "host_usage": self.host_pool.usage,
+                "prefix_cache_requests": s.requests, "prefix_cache_queries": s.queries,
+                "prefix_cache_hits": s.hits, "prefix_cache_hit_rate": s.hit_rate,
+                "prefix_cache_blocks": self.device_pool.num_cached}
+
+    def check_invariants(self, requests: list[Request]) -> None:
+        """Raise AssertionError unless both pools agree with the requests' holdings and every cached block
+        a request holds carries the hash of that request's tokens at that position."""
+        self.device_pool.check_invariants({r.request_id: r.block_ids for r in requests})
+        self.host_pool.check_invariants({r.request_id: r.host_block_ids for r in requests})
+        for r in requests:
+            for i, block_id in enumerate(r.block_ids):
+                block_hash = self.device_pool.block_hash(block_id)
+                if block_hash is not None:
+                    check(i < r.num_computed_tokens // self.block_size,
+                           f"{r.request_id}: cached block {block_id} at position {i} is not fully computed")
+                    check(block_hash == self._block_hashes(r, i + 1)[i],
+                           f"{r.request_id}: block {block_id} at position {i} is cached under another content")

@@ -1,0 +1,267 @@
+"""GGUF checkpoints (llama.cpp's single-file format): weights and config, read with the `gguf` package.
+
+A GGUF holds llama.cpp-named tensors (`token_embd`, `blk.N.attn_q`, ...), possibly quantized, and the
+config and tokenizer as metadata (`llama.block_count`, `tokenizer.ggml.tokens`, ...). Here the tensors
+are dequantized (gguf.quants: F32, F16, BF16, Q4_0 ... Q8_0, the K-quants), renamed to Hugging Face names
+with llama.cpp's Q/K row permutation undone, and the metadata becomes a Hugging Face config dict; both
+then take the same route as a safetensors checkpoint (models/checkpoints/tensors.Checkpoint, read by
+models/loading.py). The tokenizer is built in models/tokenizers/gguf.py.
+
+    load_model("SmolLM2-135M-Instruct.Q4_1.gguf")   # or a directory holding one .gguf file
+"""
+
+import concurrent.futures
+import dataclasses
+import glob
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from models.checkpoints.tensors import Checkpoint
+from models.config import ConfigError, from_hf_config
+
+GGUF_SUFFIX = ".gguf"
+# general.architecture -> Ferry's model_type. llama.cpp writes Mistral and SmolLM as "llama".
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+
+# llama.cpp tensor names -> Hugging Face names (the ".weight" / ".bias" suffix is kept).
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def find_gguf_file(path: str) -> str | None:
+    """`path` itself if it is a .gguf file; the one .gguf in directory `path`; None if there is none."""
+    if os.path.isfile(path):
+        return path if path.endswith(GGUF_SUFFIX) else None
+    files = sorted(glob.glob(os.path.join(path, "*" + GGUF_SUFFIX)))
+    if len(files) > 1:
+        names = ", ".join(os.path.basename(f) for f in files)
+        raise FileNotFoundError(f"{path}: several GGUF files ({names}); pass the path of the one to load")
+    return files[0] if files else None
+
+
+@dataclasses.dataclass(slots=True)
+class GGUFTensor:
+    name: str                  # llama.cpp's name, e.g. "blk.0.attn_q.weight"
+    kind: Any                  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]     # numpy (row-major) order: [rows, cols] for a matrix
+    data: np.ndarray           # uint8 [*shape[:-1], bytes per row], a view of the memory-mapped file
+
+
+@dataclasses.dataclass(slots=True)
+class GGUFFile:
+    path: str
+    metadata: dict[str, Any]   # every key/value: strings decoded, arrays as lists
+    tensors: list[GGUFTensor]
+
+
+def read_gguf(path: str) -> GGUFFile:
+    """The metadata and (memory-mapped, not yet read) tensors of a GGUF file; ConfigError if it is not one.
+
+    The format (magic, version, counts, key/values, tensor infos, aligned data) is parsed here rather
+    than by gguf.GGUFReader, which builds a numpy view per array element: tens of seconds for a real
+    vocabulary and its merges. The gguf package still supplies the type tables and the dequantization."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: PLC0415
+
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    cursor = _Cursor(memoryview(data), path)
+    if bytes(cursor.take(4)) != b"GGUF":
+        raise ConfigError(f"{path}: not a GGUF file (no GGUF magic)")
+    version = cursor.scalar(_U32)
+    if version not in (2, 3):
+        raise ConfigError(f"{path}: GGUF version {version} is not supported (2, 3)")
+    num_tensors, num_keys = cursor.scalar(_U64), cursor.scalar(_U64)
+    meta = {}
+    for _ in range(num_keys):
+        key = cursor.string()
+        meta[key] = cursor.value(cursor.scalar(_U32))
+    infos = []
+    for _ in range(num_tensors):
+        name = cursor.string()
+        dims = [cursor.scalar(_U64) for _ in range(cursor.scalar(_U32))]
+        kind, offset = cursor.scalar(_U32), cursor.scalar(_U64)
+        infos.append((name, dims, kind, offset))
+    alignment = int(meta.get("general.alignment", 32))
+    start = -(-cursor.offset // alignment) * alignment
+    tensors = []
+    for name, dims, kind, offset in infos:
+        try:
+            kind = GGMLQuantizationType(kind)
+        except ValueError:
+            raise ConfigError(f"{path}: tensor {name!r} has unknown GGML type {kind}") from None
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        shape = tuple(reversed(dims))  # GGUF lists dimensions innermost first
+        row_bytes = shape[-1] // block * block_bytes
+        count = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
+        begin = start + offset
+        if begin + count > data.size:
+            raise ConfigError(f"{path}: tensor {name!r} runs past the end of the file (truncated?)")
+        tensors.append(GGUFTensor(name, kind, shape, data[begin:begin + count].reshape(*shape[:-1], row_bytes)))
+    return GGUFFile(path, meta, tensors)
+
+
+# GGUF value type ids (gguf.GGUFValueType) -> struct format; 8 is a string, 9 an array.
+_U32, _U64, _STRING, _ARRAY = 4, 10, 8, 9
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+@dataclasses.dataclass(slots=True)
+class _Cursor:
+    """Reads little-endian GGUF values off a memory-mapped file (struct on a memoryview: no copies)."""
+
+    buffer: memoryview
+    path: str
+    offset: int = 0
+
+    def take(self, n: int) -> memoryview:
+        if self.offset + n > len(self.buffer):
+            raise ConfigError(f"{self.path}: GGUF header ends early (truncated file?)")
+        chunk = self.buffer[self.offset:self.offset + n]
+        self.offset += n
+        return chunk
+
+    def scalar(self, kind: int):
+        fmt = "<" + _SCALARS[kind]
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        return str(self.take(self.scalar(_U64)), "utf-8", errors="replace")
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item_kind, count = self.scalar(_U32), self.scalar(_U64)
+            if item_kind in _SCALARS:  # one read for the whole array
+                fmt = f"<{count}{_SCALARS[item_kind]}"
+                return list(struct.unpack(fmt, self.take(struct.calcsize(fmt))))
+            return [self.value(item_kind) for _ in range(count)]
+        if kind not in _SCALARS:
+            raise ConfigError(f"{self.path}: unknown GGUF value type {kind}")
+        return self.scalar(kind)
+
+
+# ---------------------------------------------------------------- config
+
+def hf_config(meta: dict, tensor_names: set[str], source: str) -> dict:
+    """A Hugging Face config dict from GGUF metadata (the keys llama.cpp's converter writes)."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{source}: general.architecture {arch!r} is not supported; Ferry loads GGUF "
+                          f"architectures {', '.join(ARCHITECTURES)}")
+
+    def need(key):
+        if f"{arch}.{key}" not in meta:
+            raise ConfigError(f"{source}: missing GGUF metadata {arch}.{key}")
+        return meta[f"{arch}.{key}"]
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    rotary_dim = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if int(rotary_dim) != head_dim:
+        raise ConfigError(f"{source}: {arch}.rope.dimension_count {rotary_dim} != head dim {head_dim} "
+                          f"(partial rotary embeddings are not supported)")
+    if "rope_freqs.weight" in tensor_names:
+        raise ConfigError(f"{source}: rope_freqs.weight (per-frequency rope factors, e.g. Llama 3.1's "
+                          f"scaling) is not supported")
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ()) or None
+    hf = {
+        "model_type": ARCHITECTURES[arch],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        # llama.cpp writes no output.weight when the head is the embedding.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(eos_token_ids(meta)),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    if vocab is None:
+        hf.pop("vocab_size")  # from_hf_config names the missing field
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    elif scaling != "none":
+        raise ConfigError(f"{source}: {arch}.rope.scaling.type {scaling!r} is not supported (none, linear)")
+    return hf
+
+
+def eos_token_ids(meta: dict) -> tuple[int, ...]:
+    """EOS, then end-of-turn if the file names a different one (llama.cpp stops on both)."""
+    ids = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+# ---------------------------------------------------------------- tensors
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"; None for an unknown name."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if len(parts) == 1 and parts[0] in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[parts[0]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+    return None
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K permutation: its converter interleaves each head's two rotary halves
+    (reshape(heads, 2, d/2).swapaxes(1, 2)) for its own RoPE kernel; Ferry rotates halves, as HF does."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def dequantized_tensors(gguf: GGUFFile, hf: dict):
+    """(file, HF name, float32 numpy array [torch layout]) for every tensor, in file order.
+
+    gguf.quants is numpy, which lets go of the GIL: tensors are dequantized on a thread per core."""
+    for tensor in gguf.tensors:
+        if hf_tensor_name(tensor.name) is None:
+            raise ConfigError(f"{gguf.path}: tensor {tensor.name!r} has no place in a {hf['model_type']} model")
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+        yield from pool.map(lambda tensor: _dequantize(gguf.path, tensor, hf), gguf.tensors)
+
+
+def _dequantize(path: str, tensor: GGUFTensor, hf: dict):
+    from gguf.quants import dequantize  # noqa: PLC0415
+
+    try:
+        weight = dequantize(tensor.data, tensor.kind).reshape(tensor.shape)
+    except NotImplementedError as e:
+        raise ConfigError(f"{path}: tensor {tensor.name!r}: {e}") from None
+    role = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
+    heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
+    if hf["model_type"] == "llama" and role in heads:
+        weight = unpermute_rows(weight, heads[role])
+    return path, hf_tensor_name(tensor.name), weight
+
+
+def default_dtype(gguf: GGUFFile) -> str:
+    """The checkpoint's own dtype where it has one (every matrix F16, or every one BF16), else float32."""
+    kinds = {t.kind.name for t in gguf.tensors if len(t.shape) > 1}
+    return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(frozenset(kinds), "float32")
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    """A .gguf file's config and tensors, dequantized (to its own dtype unless the caller names one: default_dtype)."""
+    gguf = read_gguf(path)
+    hf = hf_config(gguf.metadata, {t.name for t in gguf.tensors}, path)
+    cfg = from_hf_config(hf, source=path)
+    return Checkpoint(cfg, default_dtype(gguf), dequantized_tensors(gguf, hf), cfg.max_position_embeddings, path,
+                      f"{path}'s metadata")

@@ -1,0 +1,1 @@
+"""Tokenizers and chat templates: the backends (tokenizer.py), GGUF metadata (gguf.py), picking one (load.py)."""

@@ -1,0 +1,223 @@
+"""The native CPU kernels as JAX ops: XLA FFI calls into the library (pallas_kernels/native/library.py).
+
+  paged_decode_attention_native(q, k_pages, v_pages, block_tables, context_lens, *, scale, soft_cap=None)
+  paged_prefill_attention_native(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale,
+                                 soft_cap=None)
+
+take exactly the arguments of the references in pallas_kernels/reference.py and match them (float32
+and bfloat16, q and pages of one dtype, or float32 q over bfloat16 pages: a bf16 KV cache under a
+float32 model; GQA/MQA; any head_dim and block size; optional soft cap).
+`stacked_matmul(x, packed, layer, n=N)` is x @ w[layer] for a [L, K, N] stack of weights (float32 or bfloat16)
+packed once by `pack_stacked`, reading that layer's panels in place (the scanned decoder layers'
+linears: XLA CPU copies a dynamic slice before its library dot).
+`kv_write(pages, updates, slot_mapping)` scatters one step's K or V rows into the pages in place (XLA
+CPU's own scatter into a 16-bit float cache rewrites every page). `rms_norm(x, w, eps=, offset=, delta=)` is a
+decoder layer's RMSNorm (with delta: the residual add before it) in one call, where XLA CPU runs several
+small fusions. They run on the CPU backend only, where library.available().
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.native import library
+
+DECODE_TARGET = "ferry_paged_decode_attention"
+PREFILL_TARGET = "ferry_paged_prefill_attention"
+KV_WRITE_TARGET = "ferry_kv_write"
+STACKED_MATMUL_TARGET = "ferry_stacked_matmul"
+RMS_NORM_TARGET = "ferry_rms_norm"
+ADD_RMS_NORM_TARGET = "ferry_add_rms_norm"
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+# ----------------------------------------------------------------------------- the calls
+
+
+def supports(q_dtype, page_dtype) -> bool:
+    """Whether the native kernels take these dtypes: q and pages of one supported dtype, or float32 q
+    over bfloat16 pages (read in place and widened per page: no cache copy)."""
+    q_dtype, page_dtype = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
+    if q_dtype == page_dtype:
+        return q_dtype in SUPPORTED_DTYPES
+    return q_dtype == jnp.dtype(jnp.float32) and page_dtype == jnp.dtype(jnp.bfloat16)
+
+
+def _check(target, q, k_pages, v_pages):
+    library.require(target)
+    if not (supports(q.dtype, k_pages.dtype) and k_pages.dtype == v_pages.dtype):
+        raise ValueError(f"native paged attention takes float32 or bfloat16 q and pages of one "
+                         f"dtype, or bfloat16 pages under float32 q; got q {q.dtype}, k {k_pages.dtype}, "
+                         f"v {v_pages.dtype}")
+
+
+def _attrs(scale, soft_cap):
+    # soft_cap 0 means "no cap" to the kernel.
+    return dict(scale=np.float32(scale), soft_cap=np.float32(0.0 if soft_cap is None else soft_cap))
+
+
+def paged_decode_attention_native(q, k_pages, v_pages, block_tables, context_lens, *, scale,
+                                  soft_cap=None):
+    """One query token per sequence: q [S, Hq, D] -> [S, Hq, D] (reference semantics)."""
+    _check(DECODE_TARGET, q, k_pages, v_pages)
+    call = jax.ffi.ffi_call(DECODE_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            vmap_method="sequential")
+    return call(q, k_pages, v_pages, jnp.asarray(block_tables, jnp.int32),
+                jnp.asarray(context_lens, jnp.int32), **_attrs(scale, soft_cap))
+
+
+def paged_prefill_attention_native(q, k_pages, v_pages, block_tables, context_lens,
+                                   query_start_loc, *, scale, soft_cap=None):
+    """Flat query tokens of several sequences: q [T, Hq, D] -> [T, Hq, D] (reference semantics)."""
+    _check(PREFILL_TARGET, q, k_pages, v_pages)
+    call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            vmap_method="sequential")
+    return call(q, k_pages, v_pages, jnp.asarray(block_tables, jnp.int32),
+                jnp.asarray(context_lens, jnp.int32), jnp.asarray(query_start_loc, jnp.int32),
+                **_attrs(scale, soft_cap))
+
+
+def kv_write(pages, updates, slot_mapping):
+    """pages [NB, BS, H, D] with row slot_mapping[t] (block * BS + offset) set to updates[t] [T, H, D]
+    (cast to the pages' dtype); slots outside the pages are dropped, as `.at[].set(mode="drop")`.
+    More leading dims count as more blocks, in order ([L, NB, BS, H, D]: slot (l * NB + block) * BS +
+    offset): a caller need not reshape a donated pool, which makes XLA copy it. The output aliases `pages`:
+    under a donated cache XLA writes the T rows in place."""
+    library.require(KV_WRITE_TARGET)
+    call = jax.ffi.ffi_call(KV_WRITE_TARGET, jax.ShapeDtypeStruct(pages.shape, pages.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(pages, updates.astype(pages.dtype), jnp.asarray(slot_mapping, jnp.int32))
+
+
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")  # the kernel's act attribute: their index
+PACKED_RANK = 5  # pack_stacked's [L, P, S, KP, C * E]
+
+
+def panel_layout() -> tuple[int, int, int]:
+    """(columns a panel, columns a strip, strips a panel): the stacked matmul's layout, as the kernels define it."""
+    info = library.info()
+    return info.panel_cols, info.strip_cols, info.panel_cols // info.strip_cols
+
+
+def packed_shape(num_layers: int, k: int, n: int, dtype, groups: int = 1) -> tuple[int, ...]:
+    """pack_stacked's output shape for a [num_layers, K, N] stack: [L, P, S, KP, C * E] (see pack_stacked)."""
+    panel_cols, strip_cols, strips = panel_layout()
+    panels = groups * -(-(n // groups) // panel_cols)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return num_layers, panels, strips, (k + 1) // 2, 2 * strip_cols
+    return num_layers, panels, strips, k, strip_cols
+
+
+def pack_stacked(w, groups: int = 1):
+    """A stack of per-layer weights w [L, K, N] -> the panel-major layout stacked_matmul reads, once at
+    load (the weights then stream from memory contiguously, where packing per call read a panel's columns of
+    every row of w). `groups` equal parts of the columns (a fused [gate | up]: 2)
+    are each zero-padded to whole panels, so a gated call finds the up's panel at a fixed
+    offset from the gate's. With C = 64 columns a panel in S = 4 strips of 16 (panel_layout): [L, P, 4, KP, 16 * E],
+    panel p holding 64 columns over all of K as 4 strips of 16 columns, one after another (a tile reads a strip's
+    k steps as one stream):
+      float32: KP = K, [l, p, s, k, j] = w[l, k, c + 16 s + j];
+      bfloat16: KP = ceil(K / 2), [l, p, s, k2, 2 j + h] = w[l, 2 k2 + h, c + 16 s + j] (zero past K): the
+      pairs of rows a bf16 dot product instruction takes, one 32-bit lane per column."""
+    panel_cols, strip_cols, strips = panel_layout()
+    num_layers, k, n = w.shape
+    if n % groups:
+        raise ValueError(f"pack_stacked: N {n} does not split into {groups} equal parts")
+    part = n // groups
+    panels_per_part = -(-part // panel_cols)
+    w = w.reshape(num_layers, k, groups, part)
+    w = jnp.pad(w, ((0, 0), (0, 0), (0, 0), (0, panels_per_part * panel_cols - part)))
+    w = w.reshape(num_layers, k, groups * panels_per_part, strips, strip_cols)  # [L, K, P, 4, 16]
+    if jnp.dtype(w.dtype) != jnp.bfloat16:
+        return w.transpose(0, 2, 3, 1, 4)
+    w = jnp.pad(w, ((0, 0), (0, k % 2), (0, 0), (0, 0), (0, 0)))
+    w = w.reshape(num_layers, (k + 1) // 2, 2, groups * panels_per_part, strips, strip_cols)
+    return w.transpose(0, 3, 4, 1, 5, 2).reshape(packed_shape(num_layers, k, n, w.dtype, groups))
+
+
+def unpack_stacked(packed, k: int, n: int, groups: int = 1):
+    """pack_stacked's inverse: the [L, K, N] stack."""
+    panel_cols, strip_cols, strips = panel_layout()
+    num_layers, panels = packed.shape[:2]
+    part = n // groups
+    if jnp.dtype(packed.dtype) == jnp.bfloat16:
+        w = packed.reshape(num_layers, panels, strips, -1, strip_cols, 2).transpose(0, 3, 5, 1, 2, 4)
+        w = w.reshape(num_layers, -1, panels, panel_cols)[:, :k]  # [L, K, P, 64]
+    else:
+        w = packed.transpose(0, 3, 1, 2, 4).reshape(num_layers, k, panels, panel_cols)
+    w = w.reshape(num_layers, k, groups, -1)[..., :part]
+    return w.reshape(num_layers, k, n)
+
+
+def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | None = None,
+                   dtype=jnp.float32, round_to=None, rows=None):
+    """x [..., K] @ w[layer] -> [..., n], float32, where packed_w = pack_stacked(w, groups) for w [L, K, n]
+    (float32, or bfloat16: widened exactly as it is read, the sums in float32), x float32 (or bfloat16
+    under bfloat16 weights: on a CPU with AVX512-BF16 its pairs of products go through the bf16 dot
+    instruction, exact products summed in float32) and an int32 scalar `layer` (clamped into [0, L) like
+    a dynamic slice). The kernel reads the layer's panels where they lie in the stack: under
+    jax.lax.scan with the stack closed over (not sliced by the scan), no per-step copy of a layer.
+    Reference: jnp.dot(x.astype(float32), w[layer].astype(float32)).
+
+    `gated` ("silu" or "gelu_tanh", groups 2): the columns are a fused [gate | up] projection and the
+    result is pallas_kernels.ops.gated_activation(sums, dtype) [..., n / 2] in `dtype` (float32 or bfloat16), applied on
+    AVX-512 to each panel's sums while they are in cache (no float32 [M, 2I] round trip through memory).
+
+    `round_to` (not gated; None, float32 or bfloat16): the float32 result rounded to that dtype's precision,
+    y.astype(round_to).astype(float32) in one pass, as a bf16 LM head's logits reach the sampler (where XLA
+    would run two converts of the logits).
+
+    `rows` (an int32 scalar; None: all of them): only x's first `rows` rows (flattened) are computed, the
+    rest of the result left unwritten (garbage): a bucketed step's padding rows, which no real row reads."""
+    library.require(STACKED_MATMUL_TARGET)
+    if packed_w.dtype not in SUPPORTED_DTYPES or x.dtype not in {jnp.dtype(jnp.float32), packed_w.dtype}:
+        raise ValueError(f"native stacked matmul takes float32 or bfloat16 weights and float32 x (or x of the "
+                         f"weights' dtype); got x {x.dtype}, packed_w {packed_w.dtype}")
+    want = (packed_shape(packed_w.shape[0], x.shape[-1], n, packed_w.dtype, groups)
+            if packed_w.ndim == PACKED_RANK else None)
+    if tuple(packed_w.shape) != want or n % groups:
+        raise ValueError(f"native stacked matmul: packed_w must be pack_stacked(w [L, K, {n}], groups={groups}) "
+                         f"for x [..., K]; got x {x.shape}, packed_w {packed_w.shape}")
+    width = n
+    round_bf16 = round_to is not None and jnp.dtype(round_to) == jnp.bfloat16
+    if round_to is not None and (gated is not None or jnp.dtype(round_to) not in SUPPORTED_DTYPES):
+        raise ValueError(f"native stacked matmul: round_to is float32 or bfloat16, and not gated; got "
+                         f"{round_to!r}, gated {gated!r}")
+    if gated is not None:
+        if gated not in GATED_ACTIVATIONS or groups != 2 or jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"native gated stacked matmul: act one of {GATED_ACTIVATIONS}, groups 2 and a "
+                             f"float32 or bfloat16 dtype needed; got {gated!r}, groups {groups}, {jnp.dtype(dtype)}")
+        width //= 2
+    x2 = x.reshape(-1, x.shape[-1])
+    call = jax.ffi.ffi_call(STACKED_MATMUL_TARGET,
+                            jax.ShapeDtypeStruct((x2.shape[0], width), dtype if gated else jnp.float32),
+                            vmap_method="sequential")
+    rows = x2.shape[0] if rows is None else rows
+    y = call(x2, packed_w, jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(rows, jnp.int32).reshape(()),
+             act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)), groups=np.int32(groups),
+             round_bf16=np.int32(round_bf16))
+    return y.reshape(*x.shape[:-1], width)
+
+
+def rms_norm(x, weight, *, eps: float, offset: float = 0.0, delta=None):
+    """RMSNorm over x's last axis, as models.transformer.RMSNorm rounds it: in float32
+    v * rsqrt(mean(v^2) + eps), then weight * normed.astype(dtype) (offset 0: Llama) or
+    (normed * (offset + weight)).astype(dtype) (Gemma: offset 1). x float32 or bfloat16, weight [K] of
+    x's dtype. With `delta` (x's shape; float32, e.g. a matmul's sums, or x's dtype), v is the residual
+    add x + delta.astype(x.dtype), and the result is (normed, v). Reference: models.transformer.RMSNorm."""
+    library.require(RMS_NORM_TARGET if delta is None else ADD_RMS_NORM_TARGET)
+    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
+        raise ValueError(f"native rms norm takes float32 or bfloat16 x and weight [K] of its dtype; got x "
+                         f"{x.dtype}{list(x.shape)}, weight {weight.dtype}{list(weight.shape)}")
+    rows = x.reshape(-1, x.shape[-1])
+    like = jax.ShapeDtypeStruct(rows.shape, x.dtype)
+    attrs = dict(eps=np.float32(eps), offset=np.float32(offset))
+    if delta is None:
+        out = jax.ffi.ffi_call(RMS_NORM_TARGET, like, vmap_method="sequential")(rows, weight, **attrs)
+        return out.reshape(x.shape)
+    if delta.shape != x.shape or delta.dtype not in {jnp.dtype(jnp.float32), x.dtype}:
+        raise ValueError(f"native add rms norm: delta must have x's shape {list(x.shape)} and be float32 or "
+                         f"{x.dtype}; got {delta.dtype}{list(delta.shape)}")
+    total, out = jax.ffi.ffi_call(ADD_RMS_NORM_TARGET, (like, like), vmap_method="sequential")(
+        rows, delta.reshape(rows.shape), weight, **attrs)
+    return out.reshape(x.shape), total.reshape(x.shape)

@@ -1,0 +1,242 @@
+// FerryStackedMatmul's work distribution and body: work items of a panel (and a part of its rows), the x86
+// tiles' row blocks, k blocks and next-panel requests (matmul_avx512.h, matmul_avx2.h), or else the portable
+// loop per panel (matmul.h).
+
+#pragma once
+
+#include "matmul.h"
+#include "matmul_avx2.h"
+#include "matmul_avx512.h"
+#include "parallel.h"
+#include "simd.h"
+
+namespace {
+
+// ----------------------------------------------------------------------------- the tiles' items
+
+#ifdef FERRY_HAVE_X86_TILES
+
+// Rows an item takes at a time: a gated item's sums for them, 2 x 48 x 64 floats (24 KB), sit on the stack.
+constexpr int64_t kGroupRows = 8 * kRowBlock;
+
+// Hands an item's tile calls the next item's panel (null: none) in shares proportional to their k steps,
+// spread evenly over those steps. (All of it in the first two row blocks came in bursts that held up the
+// tiles' own loads.)
+struct AheadPlan {
+  const char* panel = nullptr;
+  int64_t lines = 0, steps = 1, done = 0;  // the panel's lines, the item's k steps over a panel, handed out
+  PanelAhead For(int64_t call_steps) {
+    const int64_t from = done * lines / steps;
+    done += call_steps;
+    const int64_t to = done * lines / steps;
+    if (panel == nullptr || to <= from) return PanelAhead{};
+    const auto rate =
+        static_cast<int16_t>(std::min<int64_t>(4 * 256, ((to - from) * 256 + call_steps - 1) / call_steps));
+    return PanelAhead{panel + from * 64, static_cast<int32_t>(to - from), rate};
+  }
+};
+
+// A row group's blocks: blocks of 5 rows first where they make the rest a multiple of 6 (64 rows: 2 x 5 +
+// 9 x 6, not 10 x 6 + 4), then blocks of 6, the last of the rows left. A 5-row AVX2 tile's 10 accumulators
+// keep both FMA units busy (latency 5 cycles on Zen 2); a 4-row tile's 8 do not.
+struct RowBlocks {
+  int64_t rows, fives;
+  explicit RowBlocks(int64_t rows) : rows(rows), fives(FivesFor(rows)) {}
+  static int64_t FivesFor(int64_t rows) {
+    const int64_t fives = (kRowBlock - rows % kRowBlock) % kRowBlock;
+    return fives * (kRowBlock - 1) <= rows ? fives : 0;
+  }
+  int64_t Height(int64_t b0) const {  // of the block at row b0 of the group
+    return b0 < (kRowBlock - 1) * fives ? kRowBlock - 1 : std::min<int64_t>(kRowBlock, rows - b0);
+  }
+};
+
+// Rows [r0, r0 + rows) x one panel, their sums into y (row r0 at y, rows ldy apart): each row block's
+// tile over the panel's k steps p.k_block at a time, every row block taking a block of k steps before the
+// next, so the panel's block stays in L2 while the rows take it (a K = 2048 float32 panel is 512 KB, all of
+// Zen 2's L2; a row block's x stays in L1 across its strips either way).
+void SumPanel(const Matmul& p, const PanelTiles& tiles, const void* panel, int64_t r0, int64_t rows, int64_t cols,
+              float* y, int64_t ldy, AheadPlan& ahead) {
+  const RowBlocks blocks(rows);
+  const int64_t kc = rows > kRowBlock && p.k_block > 0 ? p.k_block : p.k, k_per_step = p.w_bf16 ? 2 : 1;
+  for (int64_t k0 = 0; k0 < p.k; k0 += kc) {
+    const TileSpan span{k0, std::min(p.k, k0 + kc)};
+    for (int64_t b0 = 0; b0 < rows; b0 += blocks.Height(b0)) {
+      const int64_t height = blocks.Height(b0), passes = tiles.passes[height - 1];
+      const PanelAhead asked = ahead.For((span.k1 - span.k0 + k_per_step - 1) / k_per_step * passes);
+      tiles.by_rows[height - 1](p, panel, r0 + b0, cols, y + b0 * ldy, ldy, span, asked);
+    }
+  }
+}
+
+// Rows [r_begin, r_end) of panel `item` into y; gated, of the gate's panel `item` and the up's (Pg later),
+// their sums in scratch a row group at a time, act(gate) * up into the result's columns 64 * item... The
+// panel this thread takes next (`next`, -1: none) is asked for meanwhile.
+void MatmulItemTiled(const Matmul& p, const PanelTiles& tiles, int64_t item, int64_t r_begin, int64_t r_end,
+                     int64_t next) {
+  const int64_t c0 = p.PanelCol(item), cols = p.PanelWidth(item);
+  int64_t steps = 0;  // k steps of the item's tile calls over one panel: each row block's passes
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kGroupRows) {
+    const RowBlocks blocks(std::min(kGroupRows, r_end - r0));
+    for (int64_t b0 = 0; b0 < blocks.rows; b0 += blocks.Height(b0)) steps += tiles.passes[blocks.Height(b0) - 1];
+  }
+  steps *= p.w_bf16 ? (p.k + 1) / 2 : p.k;
+  const int64_t lines = (p.PanelElems() * (p.w_bf16 ? 2 : 4) + 63) / 64;
+  const bool ask = next >= 0 && p.m >= tiles.ahead_from_rows;
+  auto plan = [&](int64_t panel) {
+    return AheadPlan{ask ? static_cast<const char*>(p.Panel(panel)) : nullptr, lines, steps};
+  };
+  AheadPlan ahead = plan(next), up_ahead = p.act < 0 ? AheadPlan{} : plan(p.part_panels + next);
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kGroupRows) {
+    const int64_t rows = std::min(kGroupRows, r_end - r0);
+    if (p.act < 0) {
+      SumPanel(p, tiles, p.Panel(item), r0, rows, cols, p.y + r0 * p.n + c0, p.n, ahead);
+      continue;
+    }
+    float sums[2][kGroupRows * kPanelCols];
+    SumPanel(p, tiles, p.Panel(item), r0, rows, cols, sums[0], kPanelCols, ahead);
+    SumPanel(p, tiles, p.Panel(p.part_panels + item), r0, rows, cols, sums[1], kPanelCols, up_ahead);
+    tiles.gated_rows(p, sums[0], sums[1], kPanelCols, r0, rows, c0, cols);
+  }
+}
+
+// FERRY_NATIVE_MATMUL_K_BLOCK=n (tests, benchmarks) sets the tiles' k block (even, >= 2; 0: all of K).
+int64_t KBlockFor(const PanelTiles& tiles) {
+  const char* env = std::getenv("FERRY_NATIVE_MATMUL_K_BLOCK");
+  if (env == nullptr || *env == '\0') return tiles.k_block;
+  const int64_t k_block = std::atoll(env);
+  return k_block <= 0 ? 0 : std::max<int64_t>(2, k_block / 2 * 2);
+}
+
+#endif  // FERRY_HAVE_X86_TILES
+
+// ----------------------------------------------------------------------------- work and body
+
+// The tiled paths split each panel's rows into parts so that every thread takes several items: with only a
+// few panels a thread (a small model's attention output and down projections) the last item's work was left
+// to one thread while the others waited. Where parts of kMinLongPartRows rows allow it, twice as many: a part
+// re-reads its panel, which costs little next to that many rows' sums (at a few dozen rows it cost more than
+// the split gained).
+constexpr int64_t kItemsPerThread = 8, kMinPartRows = 24, kMinLongPartRows = 128;
+
+struct MatmulWork {
+  const Matmul* problem;
+  const void* tiles;  // a PanelTiles (AVX-512 or AVX2; the activation fused per item); null: the portable loops
+  int64_t threads = 1;
+  int64_t row_parts = 1;  // the tiled paths' parts of each panel's rows (RowParts)
+  bool FusesGate() const { return tiles != nullptr; }
+  int64_t Panels() const { return FusesGate() && problem->act >= 0 ? problem->part_panels : problem->panels; }
+  int64_t Items() const { return Panels() * row_parts; }
+  int64_t RowParts() const {  // kItemsPerThread items a thread in parts of kMinPartRows rows or more, or twice
+    if (tiles == nullptr || threads <= 1) return 1;  // as many in parts of kMinLongPartRows
+    const auto parts = [&](int64_t items_per_thread, int64_t min_rows) {
+      return std::min((items_per_thread * threads + Panels() - 1) / Panels(), problem->m / min_rows);
+    };
+    return std::max<int64_t>({1, parts(kItemsPerThread, kMinPartRows), parts(2 * kItemsPerThread, kMinLongPartRows)});
+  }
+  int64_t PartRow(int64_t part) const {  // part's first row (row_parts: M), the nearest multiple of kRowBlock
+    if (part == row_parts) return problem->m;
+    return std::min(problem->m, (part * problem->m / row_parts + kRowBlock / 2) / kRowBlock * kRowBlock);
+  }
+  static void Run(const void* self, int64_t item, int64_t next_item) {
+    const auto* w = static_cast<const MatmulWork*>(self);
+#ifdef FERRY_HAVE_X86_TILES
+    if (w->tiles != nullptr) {
+      const int64_t panel = item / w->row_parts, part = item % w->row_parts;
+      const int64_t next = next_item < 0 ? -1 : next_item / w->row_parts;  // its panel: asked for meanwhile
+      return MatmulItemTiled(*w->problem, *static_cast<const PanelTiles*>(w->tiles), panel, w->PartRow(part),
+                             w->PartRow(part + 1), next != panel ? next : -1);
+    }
+#endif
+    const Matmul& p = *w->problem;
+    if (p.w_bf16) MatmulPanelGenericBf16(p, item);
+    else MatmulPanelGenericF32(p, item);
+    if (p.round_bf16)
+      for (int64_t r = 0; r < p.m; ++r)
+        for (int64_t c = p.PanelCol(item); c < p.PanelCol(item) + p.PanelWidth(item); ++c)
+          p.y[r * p.n + c] = RoundedToBf16(p.y[r * p.n + c]);
+  }
+};
+
+ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer>& y,
+                             int32_t act, int32_t groups, int32_t round_bf16) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  const bool gated = act >= 0;
+  if (act > 1) return ffi::Error::InvalidArgument("ferry stacked matmul: act must be -1, 0 or 1");
+  if (round_bf16 != 0 && (round_bf16 != 1 || gated))
+    return ffi::Error::InvalidArgument("ferry stacked matmul: round_bf16 must be 0 or 1 (gated: 0)");
+  if (groups < 1 || (gated && groups != 2))
+    return ffi::Error::InvalidArgument("ferry stacked matmul: groups must be >= 1 (gated: 2)");
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (!bf16 && w.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("ferry stacked matmul: w must be float32 or bfloat16");
+  if (xd.size() != 2 || yd.size() != 2 || layer.element_count() != 1 || rows.element_count() != 1 ||
+      yd[0] != xd[0] || wd.size() != 5)
+    return ffi::Error::InvalidArgument("ferry stacked matmul: expected x [M,K], packed w [L,P,4,KP,16E], layer [], "
+                                       "rows [] and y [M,N] (gated: [M,N/2])");
+  const int64_t n = gated ? 2 * yd[1] : yd[1], k = xd[1];
+  const int64_t part_cols = n / groups, part_panels = (part_cols + kPanelCols - 1) / kPanelCols;
+  if (n % groups != 0 || wd[1] != groups * part_panels || wd[2] != kPanelStrips ||
+      wd[3] != (bf16 ? (k + 1) / 2 : k) || wd[4] != (bf16 ? 2 : 1) * kStripCols)
+    return ffi::Error::InvalidArgument(
+        "ferry stacked matmul: w is not x's K and y's N packed in `groups` parts (native.pack_stacked)");
+  const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
+  if (!(y->element_type() == ffi::DataType::F32 || (gated && y_bf16)))
+    return ffi::Error::InvalidArgument("ferry stacked matmul: y must be float32 (gated: or bfloat16)");
+  const bool x16 = x.element_type() == ffi::DataType::BF16;
+  if (!(x.element_type() == ffi::DataType::F32 || (x16 && bf16)))
+    return ffi::Error::InvalidArgument("ferry stacked matmul: x must be float32, or bfloat16 with bfloat16 w");
+  if (wd[0] == 0) return ffi::Error::InvalidArgument("ferry stacked matmul: w has no layers");
+  // Clamped like XLA's dynamic-slice clamps its start index.
+  const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, wd[0] - 1);
+  const int64_t element_bytes = bf16 ? 2 : 4;
+  // Only x's first `rows` rows are computed (clamped into [0, M]): a bucketed step's padding rows are left
+  // unwritten, their values never read by a real row.
+  const int64_t m = std::clamp<int64_t>(*rows.typed_data(), 0, xd[0]);
+  Matmul p{static_cast<const float*>(x.untyped_data()),
+           static_cast<const char*>(w.untyped_data()) + l * wd[1] * wd[2] * wd[3] * wd[4] * element_bytes,
+           static_cast<float*>(y->untyped_data()), m, k, n};
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.w_bf16 = bf16;
+  p.round_bf16 = round_bf16 == 1;
+  p.part_cols = part_cols;
+  p.part_panels = part_panels;
+  p.panels = wd[1];
+  if (gated) {
+    p.act = act;
+    p.gated_out = y->untyped_data();
+    p.gated_bf16 = y_bf16;
+  }
+  const bool avx512 = UseAvx512Matmul();
+  // bf16 dot products for every row count (one row too): a row's sums do not depend on the batch.
+  const bool dpbf16 = x16 && avx512 && UseDpbf16Matmul();
+  p.bf16_convert = avx512 && UseDpbf16Matmul();
+  std::vector<float> widened;  // bf16 x for the float32 paths: widened once, exactly
+  if (x16) {
+    p.x16 = static_cast<const uint16_t*>(x.untyped_data());
+    if (!dpbf16) {
+      widened.resize(p.m * p.k);
+      for (int64_t i = 0; i < p.m * p.k; ++i) widened[i] = Bf16ToF32(p.x16[i]);
+      p.x = widened.data();
+    }
+  }
+  MatmulWork work{&p, nullptr};
+#ifdef FERRY_HAVE_X86_TILES
+  if (avx512) work.tiles = &kAvx512Tiles[dpbf16 ? 2 : bf16 ? 1 : 0];
+  else if (UseAvx2Matmul()) work.tiles = &kAvx2Tiles[bf16 ? 1 : 0];
+  if (work.tiles != nullptr) p.k_block = KBlockFor(*static_cast<const PanelTiles*>(work.tiles));
+#endif
+  std::vector<float> sums;  // gated, on the paths that do not fuse it: every sum, then one pass
+  if (gated && !work.FusesGate()) {
+    sums.resize(p.m * p.n);
+    p.y = sums.data();
+  }
+  work.threads = ThreadsFor(pool, p.m * p.k * p.n, int64_t{1} << 18);
+  work.row_parts = work.RowParts();
+  ParallelFor(&pool, work.Items(), work.threads - 1, &work, &MatmulWork::Run);
+  if (gated && !work.FusesGate()) GatedRows(p, sums.data(), sums.data() + p.n / 2, p.n, 0, p.m, 0, p.n / 2);
+  return ffi::Error::Success();
+}
+
+}  // namespace

@@ -1,0 +1,1 @@
+"""Paged attention for TPUs: the Mosaic ragged paged-attention kernel."""

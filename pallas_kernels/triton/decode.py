@@ -1,0 +1,196 @@
+"""Paged decode attention as a Pallas kernel (Triton on GPU; interpret mode anywhere).
+
+Layouts are the ones in pallas_kernels/reference.py:
+  q            [S, num_q_heads, head_dim]          one query token per sequence
+  k_pages      [num_blocks, block_size, num_kv_heads, head_dim]   (v_pages the same)
+  block_tables [S, W] int32     page ids of each sequence; entries past its last page are never read
+  context_lens [S] int32        tokens in the cache, this step's included; 0 = padding row (zeros out)
+
+Grid: (sequence, KV head, split). One program owns all query heads that share a KV head
+(GQA/MQA), so each K/V page is read once per KV head, and it loops (lax.fori_loop) over only the
+pages its sequence uses, `pages_per_step` pages per step. Every load is a masked gather by pointer
+(page id from the block table, then token, head and feature offsets), so:
+  * head_dim need not be a power of two: features are padded to the next power of two by the
+    load mask (Triton blocks must be powers of two) and never stored back;
+  * the query-head group is padded to at least 16 rows (Triton's dot needs M >= 16);
+  * slots past context_len and unused block-table entries are never read, so garbage there
+    (NaN included) cannot leak into the output.
+With num_splits > 1 each sequence's pages are divided among splits (FlashDecoding): every split
+writes an unnormalised partial (acc, running max, running sum), and a small jnp epilogue
+combines them. Softmax statistics and accumulation are float32; the output has q's dtype.
+
+The helpers (masked load/store, compiler params, the page loop with its online-softmax step, the
+pallas_call) are shared with prefill_attention.py, in triton_common.py.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.triton.common import (
+    MIN_DOT_DIM,
+    attend_pages,
+    call_kernel,
+    gpu_core_count,
+    kernel_tuning,
+    masked_load,
+    masked_store,
+    next_pow2,
+    normalise,
+    paged_cache_dims,
+)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_pages: int, pages_per_step: int,
+                      num_cores: int) -> int:
+    """FlashDecoding splits so that (sequence, KV head, split) programs fill the GPU twice over,
+    while keeping at least ~4 loop steps per split of the longest possible context."""
+    programs = num_seqs * num_kv_heads
+    if programs >= 2 * num_cores:
+        return 1
+    wanted = pl.cdiv(2 * num_cores, programs)
+    max_useful = max(1, pl.cdiv(max_pages, pages_per_step) // 4)
+    splits = max(1, min(wanted, max_useful, 16))
+    return 1 << (splits.bit_length() - 1)  # power of two, rounded down
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _decode_kernel(
+    # inputs
+    q_ref,             # [S, Hq, D]       whole array
+    k_ref,             # [N, bs, Hkv, D]  whole array
+    v_ref,             # [N, bs, Hkv, D]  whole array
+    tables_ref,        # [S, W] int32
+    lens_ref,          # [S] int32
+    *rest,             # (NaN-filled buffers aliased to the outputs, interpret only), outputs
+    num_outputs: int,
+    group: int,        # query heads per KV head
+    group_padded: int,
+    head_dim_padded: int,
+    pages_per_step: int,
+    num_splits: int,
+    scale: float,
+    soft_cap: float | None,
+):
+    out_refs = rest[-num_outputs:]
+    seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_q_heads, head_dim = q_ref.shape[1], q_ref.shape[2]
+    block_size, table_width = k_ref.shape[1], tables_ref.shape[1]
+    tile = pages_per_step * block_size
+
+    # Rows are this KV head's query heads, padded to group_padded; columns are features, padded
+    # to a power of two. Padded rows/columns are loaded as zeros and never stored.
+    g = jnp.arange(group_padded)
+    d = jnp.arange(head_dim_padded)
+    head = kv_head * group + g
+    row_ok = g < group
+    col_ok = d < head_dim
+    # Loads clamp the indices of masked-off lanes into bounds: the mask already keeps them from
+    # being read on GPU, and in interpret mode the gather then never sees an out-of-range index.
+    # Stores must NOT clamp (a clamped lane would alias a real element and, in interpret mode,
+    # write its old value back over it); their masked-off lanes point past the array or at
+    # another head's row, which the mask (GPU) or the write-back of the old value (interpret,
+    # where out-of-range scatter updates are dropped) leaves untouched.
+    head_c = jnp.minimum(head, num_q_heads - 1)
+    d_c = jnp.minimum(d, head_dim - 1)
+    q = masked_load(q_ref, (seq, head_c[:, None], d_c[None, :]),
+                    row_ok[:, None] & col_ok[None, :], 0)
+
+    ctx_len = lens_ref[seq]
+    num_pages = jnp.minimum(pl.cdiv(ctx_len, block_size), table_width)
+    # This split's pages: an equal share of the pages the sequence actually uses, rounded up
+    # to whole loop steps so only the sequence's last step is partial.
+    per_split = pl.cdiv(pl.cdiv(num_pages, num_splits), pages_per_step) * pages_per_step
+    first_page = split * per_split
+    end_page = jnp.minimum(first_page + per_split, num_pages)
+    num_steps = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_step)
+
+    acc, m, l = attend_pages(
+        q, k_ref, v_ref, tables_ref, seq, kv_head, first_page=first_page, end_page=end_page,
+        kv_len=ctx_len, num_steps=num_steps, pages_per_step=pages_per_step, feature=d_c,
+        feature_ok=col_ok, scale=scale, soft_cap=soft_cap,
+        # Every query head of the group sees the same keys.
+        key_mask=lambda key_ok, _: jnp.broadcast_to(key_ok[None, :], (group_padded, tile)))
+
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        masked_store(o_ref, (seq, head[:, None], d[None, :]),
+                     normalise(acc, l).astype(o_ref.dtype), out_mask)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        masked_store(acc_ref, (split, seq, head[:, None], d[None, :]), acc, out_mask)
+        masked_store(m_ref, (split, seq, head), m, row_ok)
+        masked_store(l_ref, (split, seq, head), l, row_ok)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=["scale", "soft_cap", "num_splits", "pages_per_step", "num_warps",
+                     "num_stages", "interpret"])
+def paged_decode_attention(
+    q, k_pages, v_pages, block_tables, context_lens, *,
+    scale: float,
+    soft_cap: float | None = None,
+    num_splits: int | None = None,
+    pages_per_step: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+):
+    """Decode attention over a paged KV cache: q [S, Hq, D] -> [S, Hq, D] (q's dtype).
+
+    num_splits: FlashDecoding page splits per sequence; None picks 1 in interpret mode and, on
+      GPU, enough to fill the machine when S * num_kv_heads is small (see choose_num_splits).
+    pages_per_step: pages per loop step (tile = pages_per_step * block_size keys, >= 16).
+    interpret: run the kernel in Pallas interpret mode (any backend). Outputs then start as
+      NaN-filled buffers aliased into the kernel, so an element it fails to write shows up.
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = paged_cache_dims(q, k_pages, v_pages)
+    if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+        raise ValueError("block_tables / context_lens do not match q's batch")
+
+    group = num_q_heads // num_kv_heads
+    group_padded = max(MIN_DOT_DIM, next_pow2(group))
+    head_dim_padded = max(MIN_DOT_DIM, next_pow2(head_dim))
+    table_width = block_tables.shape[1]
+    pages_per_step, num_warps, num_stages = kernel_tuning(
+        block_size, head_dim_padded, q.dtype, pages_per_step=pages_per_step, num_warps=num_warps,
+        num_stages=num_stages)
+    if num_splits is None:
+        num_splits = 1 if interpret else choose_num_splits(
+            num_seqs, num_kv_heads, table_width, pages_per_step, gpu_core_count())
+
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((num_splits, *q.shape), jnp.float32),   # acc
+                     jax.ShapeDtypeStruct((num_splits, num_seqs, num_q_heads), jnp.float32),  # m
+                     jax.ShapeDtypeStruct((num_splits, num_seqs, num_q_heads), jnp.float32)]  # l
+    inputs = [q, k_pages, v_pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32)]
+    kernel = functools.partial(
+        _decode_kernel, num_outputs=len(out_shape), group=group, group_padded=group_padded,
+        head_dim_padded=head_dim_padded, pages_per_step=pages_per_step, num_splits=num_splits,
+        scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap))
+    outs = call_kernel(
+        kernel, inputs, out_shape, grid=(num_seqs, num_kv_heads, num_splits), interpret=interpret,
+        num_warps=num_warps, num_stages=num_stages,
+        name=f"ferry_paged_decode_g{group}_d{head_dim}_bs{block_size}_k{num_splits}")
+
+    if num_splits == 1:
+        return outs[0]
+    # Combine the splits (FlashDecoding): rescale every partial to the global max.
+    acc, m, l = outs
+    m_max = m.max(axis=0)
+    w = jnp.exp(m - m_max[None])          # [K, S, Hq]; empty splits have l == 0, acc == 0
+    l_sum = (w * l).sum(axis=0)
+    o = (w[..., None] * acc).sum(axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
+    return o.astype(q.dtype)

@@ -1,0 +1,330 @@
+"""Paged attention (decode and chunked prefill) in Triton's own language, called from JAX through
+`jax_triton.triton_call`: the GPU kernels that outlive Pallas' Triton backend (deprecated in jax
+0.11), for every NVIDIA GPU Triton supports (sm_80 A100, sm_89 L4, sm_90 H100/H200, ...).
+
+Layouts are the ones in pallas_kernels/reference.py (contiguous arrays):
+  q               [T, num_q_heads, head_dim]   query rows (decode: one a sequence, T = S)
+  k_pages         [num_blocks, block_size, num_kv_heads, head_dim]   (v_pages the same)
+  block_tables    [S, W] int32   page ids of each sequence; entries past its last page are never read
+  context_lens    [S] int32      tokens in the cache, this step's included; 0 = padding row
+  query_start_loc [S + 1] int32  (prefill) sequence s owns rows [qsl[s], qsl[s+1]); rows from
+                                 qsl[S] to T are padding and come out as zeros
+
+One kernel serves both: decode is ragged prefill with one query row per sequence. Grid: (query
+tile, KV head); a tile is `block_q` consecutive rows of ONE sequence times the query heads that
+share the KV head (GQA rows: row r = token r // group_padded, head r % group_padded). The tile
+table is prefill_attention.tile_table, the one the Pallas prefill kernel uses (decode: query
+starts 0..S, block_q 1). Every K/V load is a masked pointer gather through the block table, so
+head_dim 80/96 are padded to the next power of two by the load mask (Triton blocks are powers of
+two), and slots past the context or behind unused table entries (NaN included) are never read.
+Softmax statistics and accumulation are float32; the output has q's dtype.
+
+Three ways to run the same @triton.jit function:
+  * on a GPU, `paged_attention_jax_triton` (jax_triton.triton_call; the dispatch's "jax_triton");
+  * anywhere, `run_interpreted` in Triton's interpreter on host arrays (torch CPU tensors: the
+    interpreter reads buffers through torch's storage API), which is how the CPU tests check it;
+  * `compile_for_gpu` compiles it for a GPU target (e.g. sm_80, sm_90) to PTX and cubin on a host
+    without one (the triton wheel ships ptxas); jax_triton's own lowering cannot run without the
+    CUDA plugin (it serializes the call through jaxlib's CUDA Triton extension).
+"""
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from pallas_kernels.triton.common import (
+    MASK_VALUE,
+    MIN_DOT_DIM,
+    kernel_tuning,
+    next_pow2,
+    paged_cache_dims,
+)
+from pallas_kernels.triton.prefill import tile_table
+
+_TRITON_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_MASKED = tl.constexpr(MASK_VALUE)  # a Triton kernel reads only constexpr globals
+
+
+@triton.jit
+def _ragged_paged_attention_kernel(
+    tiles_ptr,       # [num_tiles, 5] int32: first row, end row, position of first row, context, seq
+    q_ptr,           # [T, Hq, D]
+    k_ptr,           # [N, bs, Hkv, D]
+    v_ptr,           # [N, bs, Hkv, D]
+    tables_ptr,      # [S, W] int32
+    out_ptr,         # [T, Hq, D]
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TABLE_WIDTH: tl.constexpr,
+    GROUP_PADDED: tl.constexpr,     # query heads per KV head, padded to a power of two
+    BLOCK_Q: tl.constexpr,          # query tokens per tile; BLOCK_Q * GROUP_PADDED >= 16 (dot)
+    HEAD_DIM_PADDED: tl.constexpr,
+    PAGES_PER_STEP: tl.constexpr,   # pages per loop step: PAGES_PER_STEP * BLOCK_SIZE >= 16 keys
+    SCALE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,         # 0.0 = none
+    DOT_PRECISION: tl.constexpr,    # "ieee" for float32 (Triton's default there is tf32)
+    DOT_IN_F32: tl.constexpr,       # interpreter only, for 16-bit inputs (see run_interpreted)
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    row0 = tl.load(tiles_ptr + tile_id * 5 + 0)
+    row_end = tl.load(tiles_ptr + tile_id * 5 + 1)
+    pos0 = tl.load(tiles_ptr + tile_id * 5 + 2)
+    ctx_len = tl.load(tiles_ptr + tile_id * 5 + 3)
+    seq = tl.load(tiles_ptr + tile_id * 5 + 4)
+
+    r = tl.arange(0, BLOCK_Q * GROUP_PADDED)
+    tok_in_tile = r // GROUP_PADDED
+    g = r % GROUP_PADDED
+    tok = row0 + tok_in_tile
+    head = kv_head * group + g
+    row_ok = (tok < row_end) & (g < group)
+    q_pos = pos0 + tok_in_tile            # absolute position of each row's token
+    d = tl.arange(0, HEAD_DIM_PADDED)
+    col_ok = d < HEAD_DIM
+    io_offsets = (tok.to(tl.int64) * NUM_Q_HEADS + head)[:, None] * HEAD_DIM + d[None, :]
+    io_mask = row_ok[:, None] & col_ok[None, :]
+    q = tl.load(q_ptr + io_offsets, mask=io_mask, other=0.0)
+
+    # Keys the tile needs: up to its last real row's position (causal), within the context.
+    last_pos = pos0 + tl.minimum(BLOCK_Q, row_end - row0) - 1
+    kv_len = tl.minimum(tl.maximum(last_pos + 1, 0), ctx_len)
+    num_pages = tl.minimum(tl.cdiv(kv_len, BLOCK_SIZE), TABLE_WIDTH)
+
+    t = tl.arange(0, PAGES_PER_STEP * BLOCK_SIZE)
+    page_in_step = t // BLOCK_SIZE
+    slot = t % BLOCK_SIZE
+    acc = tl.zeros((BLOCK_Q * GROUP_PADDED, HEAD_DIM_PADDED), tl.float32)
+    m = tl.full((BLOCK_Q * GROUP_PADDED,), _MASKED, tl.float32)
+    l = tl.zeros((BLOCK_Q * GROUP_PADDED,), tl.float32)
+    for first_page in range(0, num_pages, PAGES_PER_STEP):
+        logical_page = first_page + page_in_step
+        page_ok = logical_page < num_pages
+        page = tl.load(tables_ptr + seq * TABLE_WIDTH + logical_page, mask=page_ok, other=0)
+        key_pos = logical_page * BLOCK_SIZE + slot
+        key_ok = page_ok & (key_pos < kv_len)
+        kv_offsets = ((page.to(tl.int64) * BLOCK_SIZE + slot) * NUM_KV_HEADS + kv_head)[:, None] \
+            * HEAD_DIM + d[None, :]
+        kv_mask = key_ok[:, None] & col_ok[None, :]
+        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)  # masked keys are zeros, so
+        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)  # NaN in unused slots can't leak
+        if DOT_IN_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = s * SCALE
+        if SOFT_CAP > 0.0:
+            # tanh through the sigmoid: tl has no tanh that every backend and the interpreter share.
+            s = SOFT_CAP * (2.0 * tl.sigmoid(2.0 * s / SOFT_CAP) - 1.0)
+        sees = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        s = tl.where(sees, s, _MASKED)
+        m_next = tl.maximum(m, tl.max(s, axis=1))
+        # `where`, not just exp: a row that has seen no key yet has m == _MASKED.
+        p = tl.where(sees, tl.exp(s - m_next[:, None]), 0.0)
+        correction = tl.exp(m - m_next)
+        l = l * correction + tl.sum(p, axis=1)
+        p = p.to(v.dtype)  # rounded to the values' dtype for the tensor-core dot
+        if DOT_IN_F32:
+            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * correction[:, None] + pv
+        m = m_next
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # rows that saw no key give zeros
+    tl.store(out_ptr + io_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+# ----------------------------------------------------------------------------- launch plan
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Everything static about one kernel launch; the same for GPU, interpreter and compile-only."""
+    num_tiles: int
+    num_kv_heads: int
+    block_q: int
+    num_warps: int
+    num_stages: int
+    constexprs: dict = field(hash=False)  # the kernel's tl.constexpr arguments
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.num_tiles, self.num_kv_heads)
+
+
+def plan_launch(q_shape, k_shape, dtype, *, num_seqs: int, table_width: int, decode: bool,
+                scale: float, soft_cap: float | None, block_q: int | None = None) -> Launch:
+    """The launch for q [T, Hq, D] over pages k [N, bs, Hkv, D] of `num_seqs` sequences whose
+    block tables are `table_width` pages wide.
+
+    Decode tiles are one row (block_q 1) with the head group padded to 16 rows for the dot;
+    prefill tiles are ~64 query rows (~32 for float32), as in the Pallas prefill kernel.
+    """
+    num_tokens, num_q_heads, head_dim = q_shape
+    block_size, num_kv_heads = k_shape[1], k_shape[2]
+    group_padded = next_pow2(num_q_heads // num_kv_heads)
+    head_dim_padded = max(MIN_DOT_DIM, next_pow2(head_dim))
+    target = 32 if jnp.dtype(dtype).itemsize >= 4 else 64
+    if decode:
+        block_q = 1
+    elif block_q is None:
+        block_q = max(1, target // group_padded)
+    if block_q & (block_q - 1):
+        raise ValueError(f"block_q must be a power of two, got {block_q}")
+    group_padded = max(group_padded, MIN_DOT_DIM // block_q)  # rows >= 16 for the dot
+    pages_per_step, num_warps, num_stages = kernel_tuning(
+        block_size, head_dim_padded, dtype, pages_per_step=None, num_warps=None, num_stages=None,
+        target_tokens=target)
+    # Decode: one tile a sequence. Prefill: each of the S + 1 segments adds at most one partial tile.
+    num_tiles = num_seqs if decode else -(-num_tokens // block_q) + num_seqs + 1
+    constexprs = dict(
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TABLE_WIDTH=table_width, GROUP_PADDED=group_padded, BLOCK_Q=block_q,
+        HEAD_DIM_PADDED=head_dim_padded, PAGES_PER_STEP=pages_per_step, SCALE=float(scale),
+        SOFT_CAP=0.0 if soft_cap is None else float(soft_cap),
+        DOT_PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32", DOT_IN_F32=False)
+    return Launch(num_tiles, num_kv_heads, block_q, num_warps, num_stages, constexprs)
+
+
+def _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, decode,
+                scale, soft_cap, block_q=None):
+    """(Launch, tile table [num_tiles, 5] int32) for these arrays, checked against each other."""
+    num_seqs = context_lens.shape[0]
+    paged_cache_dims(q, k_pages, v_pages)
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {block_tables.shape} does not match context_lens {num_seqs}")
+    if decode:
+        if q.shape[0] != num_seqs:
+            raise ValueError(f"decode q {q.shape} needs one row per sequence ({num_seqs})")
+        query_start_loc = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+    elif query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc {query_start_loc.shape} does not match context_lens")
+    launch = plan_launch(q.shape, k_pages.shape, q.dtype, num_seqs=num_seqs,
+                         table_width=block_tables.shape[1], decode=decode, scale=scale,
+                         soft_cap=soft_cap, block_q=block_q)
+    tiles = tile_table(jnp.asarray(query_start_loc), jnp.asarray(context_lens), q.shape[0],
+                       launch.block_q, launch.num_tiles)
+    return launch, tiles
+
+
+# ----------------------------------------------------------------------------- on a GPU (jax_triton)
+
+
+def paged_attention_jax_triton(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
+                               *, decode: bool, scale: float, soft_cap: float | None = None,
+                               block_q: int | None = None):
+    """Decode (q [S, Hq, D]) or chunked prefill (flat q [T, Hq, D]) through jax_triton.triton_call;
+    needs a CUDA GPU and the `jax-triton` package (extra `cuda12`)."""
+    try:  # only here: it does not import without GPU support in jaxlib
+        import jax_triton
+    except ImportError as e:
+        raise RuntimeError(f'attention impl "jax_triton" needs the jax-triton package on a CUDA '
+                           f'jaxlib (pip install -e ".[cuda12]"): {e}') from e
+
+    launch, tiles = _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
+                                decode=decode, scale=scale, soft_cap=soft_cap, block_q=block_q)
+    out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    # jax-triton 0.4 calls the output spec `out_type`; 0.3 (the last for Python 3.11) `out_shape`.
+    params = inspect.signature(jax_triton.triton_call).parameters
+    out_kw = "out_type" if "out_type" in params else "out_shape"
+    return jax_triton.triton_call(
+        tiles, q, k_pages, v_pages, block_tables.astype(jnp.int32),
+        kernel=_ragged_paged_attention_kernel, grid=launch.grid, num_warps=launch.num_warps,
+        num_stages=launch.num_stages, name="ferry_ragged_paged_attention", **{out_kw: out}, **launch.constexprs)
+
+
+# ----------------------------------------------------------------------------- Triton's interpreter
+
+
+@contextlib.contextmanager
+def _interpreted():
+    """Yields the kernel's interpreter twin, with Triton's own @triton.jit library functions
+    (tl.sum, tl.max, tl.cdiv, ...) interpreted too while it runs.
+
+    @triton.jit picks the compiled or the interpreted form once, when triton is imported
+    (TRITON_INTERPRET); the tests want both in one process (interpreter runs and sm_80/sm_90
+    compiles), so the interpreter form is built here, and calls to compiled-form helpers inside
+    it run their interpreted rewrite (the interpreter has already patched triton.language for the
+    kernel's run, as it does in TRITON_INTERPRET mode).
+    """
+    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
+    from triton.runtime.jit import JITFunction
+
+    def call_interpreted(helper, *args, **kwargs):
+        patched = _patch_lang(helper.fn)  # the helper's own module globals (triton.language.core)
+        try:
+            return InterpretedFunction(helper.fn).rewrite()(*args, **kwargs)
+        finally:
+            patched.restore()
+
+    original_call = JITFunction.__call__
+    JITFunction.__call__ = call_interpreted
+    try:
+        yield InterpretedFunction(_ragged_paged_attention_kernel.fn)
+    finally:
+        JITFunction.__call__ = original_call
+
+
+def run_interpreted(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
+                    decode: bool, scale: float, soft_cap: float | None = None,
+                    block_q: int | None = None):
+    """The kernel in Triton's interpreter on host copies of the arrays; returns a jax array of
+    q's dtype. The output buffer starts NaN, so an element the kernel fails to write shows up."""
+    import torch  # the interpreter reads buffers through torch's storage API
+
+    launch, tiles = _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
+                                decode=decode, scale=scale, soft_cap=soft_cap, block_q=block_q)
+
+    def host(x):
+        x = jnp.asarray(x)
+        if x.dtype == jnp.bfloat16:  # numpy has no bfloat16: go through float32 (exact)
+            return torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16)
+        return torch.from_numpy(np.array(x))
+
+    # The output is float32 here, rounded to q's dtype by jnp below: the interpreter's own
+    # float32 -> bfloat16 cast truncates, where the GPU's rounds to nearest even.
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32)
+    # Triton 3.9's interpreter multiplies bfloat16's raw bits in tl.dot (it stores bf16 as
+    # uint16), so here the dots take float32 copies of the same 16-bit values: products of two
+    # bf16 numbers are exact in float32, as in the tensor-core dot with float32 accumulation.
+    constexprs = {**launch.constexprs, "DOT_IN_F32": jnp.dtype(q.dtype).itemsize < 4}
+    with _interpreted() as kernel:
+        kernel[launch.grid](host(tiles), host(q), host(k_pages), host(v_pages),
+                            host(block_tables.astype(jnp.int32)), out, **constexprs)
+    return jnp.asarray(out.numpy()).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- compile only
+
+
+def compile_for_gpu(q_shape, k_shape, dtype, *, table_width: int, num_seqs: int, decode: bool,
+                    compute_capability: int, scale: float = 1.0,
+                    soft_cap: float | None = None) -> dict:
+    """Compile the kernel for CUDA `compute_capability` (80, 90, ...) with no GPU present.
+
+    Returns Triton's assembly stages by name ("ttir", "ttgir", "llir", "ptx", "cubin"), plus
+    "shared": the bytes of shared memory a program needs.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    launch = plan_launch(q_shape, k_shape, dtype, num_seqs=num_seqs, table_width=table_width,
+                         decode=decode, scale=scale, soft_cap=soft_cap)
+    constexprs = launch.constexprs
+    elem = "*" + _TRITON_DTYPES[jnp.dtype(dtype).name]
+    signature = {"tiles_ptr": "*i32", "q_ptr": elem, "k_ptr": elem, "v_ptr": elem,
+                 "tables_ptr": "*i32", "out_ptr": elem, **{name: "constexpr" for name in constexprs}}
+    source = ASTSource(_ragged_paged_attention_kernel, signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),
+                              options={"num_warps": launch.num_warps,
+                                       "num_stages": launch.num_stages})
+    return {**compiled.asm, "shared": compiled.metadata.shared}

@@ -1,0 +1,196 @@
+"""Chunked-prefill paged attention as a Pallas kernel (Triton on GPU; interpret mode anywhere).
+
+Layouts are the ones in pallas_kernels/reference.py:
+  q               [T, num_q_heads, head_dim]   flat query tokens of all sequences
+  k_pages         [num_blocks, block_size, num_kv_heads, head_dim]   (v_pages the same)
+  block_tables    [S, W] int32   page ids of each sequence; entries past its last page are never read
+  context_lens    [S] int32      tokens in the cache, this step's chunk included
+  query_start_loc [S + 1] int32  sequence s owns query rows [qsl[s], qsl[s+1]); rows from
+                                 qsl[S] to T are padding and come out as zeros
+
+Every chunk's K/V are already in the pages (the model writes them before attention), so a
+chunk attends to its cached prefix and causally within itself purely through the block table:
+query row i of sequence s sits at absolute position context_len - query_len + i and sees keys
+at positions <= its own.
+
+Grid: (query tile, KV head). A query tile is `block_q` consecutive tokens of ONE sequence
+(sequences are cut into tiles separately, so a tile never straddles two) times every query head
+of the KV head (GQA rows = block_q * padded group). The wrapper computes, in jnp, a small table
+of tiles: the padding rows form one extra "sequence" with context 0, which the kernel writes as
+zeros like any row that sees no key; tiles past the last are empty and write nothing. Each tile
+loops only over the pages up to its last row's position. Loads are masked gathers, as in the
+decode kernel (the page loop, triton_common.attend_pages, is the decode kernel's), so head_dim
+80/96 and garbage in unused slots are fine.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.triton.common import (
+    MIN_DOT_DIM,
+    attend_pages,
+    call_kernel,
+    kernel_tuning,
+    masked_load,
+    masked_store,
+    next_pow2,
+    normalise,
+    paged_cache_dims,
+)
+
+# Columns of the per-tile table the wrapper builds.
+_ROW0, _ROW_END, _POS0, _CTX, _SEQ = range(5)
+
+
+def _prefill_kernel(
+    # inputs
+    tiles_ref,   # [num_tiles, 5] int32: first row, end row, position of first row, context, seq
+    q_ref,       # [T, Hq, D]       whole array
+    k_ref,       # [N, bs, Hkv, D]  whole array
+    v_ref,       # [N, bs, Hkv, D]  whole array
+    tables_ref,  # [S, W] int32
+    *rest,       # (NaN-filled buffer aliased to the output, interpret only), output [T, Hq, D]
+    group: int,
+    group_padded: int,
+    block_q: int,
+    head_dim_padded: int,
+    pages_per_step: int,
+    scale: float,
+    soft_cap: float | None,
+):
+    o_ref = rest[-1]
+    tile_id, kv_head = pl.program_id(0), pl.program_id(1)
+    num_tokens, num_q_heads, head_dim = q_ref.shape
+    block_size, table_width = k_ref.shape[1], tables_ref.shape[1]
+    rows = block_q * group_padded
+
+    row0 = tiles_ref[tile_id, _ROW0]
+    row_end = tiles_ref[tile_id, _ROW_END]
+    pos0 = tiles_ref[tile_id, _POS0]
+    ctx_len = tiles_ref[tile_id, _CTX]
+    seq = tiles_ref[tile_id, _SEQ]
+
+    # Row r of the tile is token row0 + r // group_padded, query head kv_head * group + r % gp.
+    r = jnp.arange(rows)
+    tok_in_tile, g = r // group_padded, r % group_padded
+    tok = row0 + tok_in_tile
+    head = kv_head * group + g
+    row_ok = (tok < row_end) & (g < group)
+    q_pos = pos0 + tok_in_tile
+    d = jnp.arange(head_dim_padded)
+    col_ok = d < head_dim
+    d_c = jnp.minimum(d, head_dim - 1)  # clamped for loads only (see the decode kernel)
+    q = masked_load(
+        q_ref,
+        (jnp.minimum(tok, num_tokens - 1)[:, None], jnp.minimum(head, num_q_heads - 1)[:, None],
+         d_c[None, :]),
+        row_ok[:, None] & col_ok[None, :], 0)
+
+    # Keys this tile needs: up to its last real row's position (causal), within the context.
+    last_pos = pos0 + jnp.minimum(block_q, row_end - row0) - 1
+    kv_len = jnp.clip(last_pos + 1, 0, ctx_len)
+    num_pages = jnp.minimum(pl.cdiv(kv_len, block_size), table_width)
+    num_steps = pl.cdiv(num_pages, pages_per_step)
+
+    acc, _, l = attend_pages(
+        q, k_ref, v_ref, tables_ref, seq, kv_head, end_page=num_pages, kv_len=kv_len,
+        num_steps=num_steps, pages_per_step=pages_per_step, feature=d_c, feature_ok=col_ok,
+        scale=scale, soft_cap=soft_cap,
+        # [rows, tile], causal: each row sees the keys up to its own position.
+        key_mask=lambda key_ok, key_pos: key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None]))
+    # Unclamped indices: masked-off lanes point past the array or at rows this program leaves
+    # unchanged (see the decode kernel's note on stores).
+    masked_store(o_ref, (tok[:, None], head[:, None], d[None, :]),
+                 normalise(acc, l).astype(o_ref.dtype), row_ok[:, None] & col_ok[None, :])
+
+
+def tile_table(query_start_loc, context_lens, num_tokens: int, block_q: int, num_tiles: int):
+    """[num_tiles, 5] int32 rows (first row, end row, position of first row, context, seq).
+
+    Segments are the S sequences plus the padding rows [qsl[S], T) as a context-0 segment; each
+    is cut into ceil(len / block_q) tiles. Tiles past the last are empty (first row = end = T).
+    """
+    num_seqs = context_lens.shape[0]
+    qsl = query_start_loc.astype(jnp.int32)
+    seg_start = qsl
+    seg_end = jnp.concatenate([qsl[1:], jnp.array([num_tokens], jnp.int32)])
+    seg_len = jnp.maximum(seg_end - seg_start, 0)
+    seg_ctx = jnp.concatenate([context_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    seg_tiles = pl.cdiv(seg_len, block_q)
+    cum = jnp.cumsum(seg_tiles)
+    tid = jnp.arange(num_tiles, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(cum, tid, side="right"), num_seqs).astype(jnp.int32)
+    used = tid < cum[-1]
+    local = tid - (cum[seg] - seg_tiles[seg])
+    row0 = seg_start[seg] + local * block_q
+    pos0 = seg_ctx[seg] - seg_len[seg] + (row0 - seg_start[seg])
+    table = jnp.stack([
+        jnp.where(used, row0, num_tokens),
+        jnp.where(used, seg_end[seg], num_tokens),
+        pos0,
+        jnp.where(used, seg_ctx[seg], 0),
+        jnp.minimum(seg, num_seqs - 1),  # the padding segment reads no pages (context 0)
+    ], axis=1)
+    return table.astype(jnp.int32)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=["scale", "soft_cap", "block_q", "pages_per_step", "num_warps",
+                     "num_stages", "interpret"])
+def paged_prefill_attention(
+    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
+    scale: float,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    pages_per_step: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+):
+    """Chunked prefill over a paged KV cache: flat q [T, Hq, D] -> [T, Hq, D] (q's dtype).
+
+    block_q: query tokens per tile (power of two); a tile has block_q * next_pow2(group) rows,
+      by default ~64 (~32 for float32), at least 16 (Triton's dot).
+    pages_per_step: pages per loop step (tile = pages_per_step * block_size keys, >= 16).
+    interpret: Pallas interpret mode; the output then starts as a NaN-filled aliased buffer,
+      so an element the kernel fails to write shows up.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_seqs = context_lens.shape[0]
+    block_size, num_kv_heads = paged_cache_dims(q, k_pages, v_pages)
+    if block_tables.shape[0] != num_seqs or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError("block_tables / query_start_loc do not match context_lens")
+
+    group = num_q_heads // num_kv_heads
+    group_padded = next_pow2(group)
+    head_dim_padded = max(MIN_DOT_DIM, next_pow2(head_dim))
+    # Tiles of ~64 query rows x 64 keys; float32 (no tensor cores for IEEE fp32, twice the
+    # registers) uses 32 x 32, which ptxas compiles without spills.
+    target = 32 if jnp.dtype(q.dtype).itemsize >= 4 else 64
+    if block_q is None:
+        block_q = max(1, target // group_padded)
+    block_q = max(block_q, pl.cdiv(MIN_DOT_DIM, group_padded))  # rows >= 16 for the dot
+    if block_q & (block_q - 1):
+        raise ValueError(f"block_q must be a power of two, got {block_q}")
+    pages_per_step, num_warps, num_stages = kernel_tuning(
+        block_size, head_dim_padded, q.dtype, pages_per_step=pages_per_step, num_warps=num_warps,
+        num_stages=num_stages, target_tokens=target)
+
+    # Each of the S + 1 segments adds at most one partial tile.
+    num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs + 1
+    tiles = tile_table(query_start_loc, context_lens, num_tokens, block_q, num_tiles)
+
+    inputs = [tiles, q, k_pages, v_pages, block_tables.astype(jnp.int32)]
+    kernel = functools.partial(
+        _prefill_kernel, group=group, group_padded=group_padded, block_q=block_q,
+        head_dim_padded=head_dim_padded, pages_per_step=pages_per_step, scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap))
+    (out,) = call_kernel(
+        kernel, inputs, [jax.ShapeDtypeStruct(q.shape, q.dtype)], grid=(num_tiles, num_kv_heads),
+        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+        name=f"ferry_paged_prefill_g{group}_d{head_dim}_bs{block_size}_q{block_q}")
+    return out

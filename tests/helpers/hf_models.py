@@ -1,0 +1,112 @@
+"""Small random Hugging Face checkpoints of every architecture Ferry serves (the paged greedy driver
+they are compared through is tests/helpers/paged_driver.py, re-exported here).
+
+The reference is transformers (PyTorch, CPU, float32). Models are built from a seeded config and
+written with `save_pretrained`, exactly as a user's checkpoint directory would look.
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from helpers.paged_driver import PagedRun, paged_greedy, rel_err  # noqa: F401  (re-exported for the tests)
+from models.mesh import split_columns
+from models.transformer import FUSED_PROJECTIONS, fused_projection_widths
+
+# The jax-0.11 CI environment (Python 3.12, `make test-jax011`) has no PyTorch: there, every test
+# that compares against transformers is skipped here, by name, and runs in the main environment.
+TORCH_SKIP_REASON = ("needs torch + transformers (the reference models); not installed in this "
+                     "environment (the torch-free jax-0.11 CI env); these tests run in `make test`")
+torch = pytest.importorskip("torch", reason=TORCH_SKIP_REASON)
+transformers = pytest.importorskip("transformers", reason=TORCH_SKIP_REASON)
+
+_COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               initializer_range=0.25, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# name -> (config class, overrides). Each exercises something the others do not.
+ARCHS = {
+    "llama2": (transformers.LlamaConfig, dict(num_key_value_heads=4)),  # MHA, untied
+    "llama3": (transformers.LlamaConfig, dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),  # q/k/v bias, tied
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),  # q/k norm, head_dim != hidden / heads
+    "gemma": (transformers.GemmaConfig, dict(num_key_value_heads=1, head_dim=32)),  # MQA, GeGLU, (1+w) norm
+}
+
+
+def layer_projection(layer: dict, cfg, module: str, proj: str) -> np.ndarray:
+    """Hugging Face projection `module.proj`'s kernel [in, out] from one layer's params: the model's own
+    (o_proj, down_proj) or its slice of the fused q/k/v or gate/up kernel (FUSED_PROJECTIONS)."""
+    for fused_module, fused, widths in fused_projection_widths(cfg):
+        parts = FUSED_PROJECTIONS[f"{fused_module}.{fused}"]
+        if f"{module}.{proj}" in parts:
+            kernel = layer[fused_module][fused]["kernel"]
+            return np.asarray(split_columns(kernel, widths, 1)[parts.index(f"{module}.{proj}")])
+    return np.asarray(layer[module][proj]["kernel"])
+
+
+def make_hf_model(arch: str, out_dir, seed: int = 0, dtype=torch.float32, **overrides):
+    """Build a seeded random model of `arch`, save it to `out_dir`, and return the torch model."""
+    config_cls, arch_overrides = ARCHS[arch]
+    config = config_cls(**{**_COMMON, **arch_overrides, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    if arch == "gemma":  # its norms initialise to zero (scale 1 + w); give them something to do
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.2)
+    model.generation_config.eos_token_id = None  # greedy runs the full length
+    model.save_pretrained(out_dir)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], num_new: int):
+    """(tokens, per-step logits [num_new, vocab]) from transformers' own generate."""
+    ids = torch.tensor([prompt])
+    # An explicit mask: a prompt may hold the pad id (e.g. a second turn that resends a generated answer),
+    # and generate would otherwise infer the mask from it and hide those tokens.
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, torch.stack(out.logits, dim=1)[0].float().numpy()
+
+
+def hf_logits(model, prompt: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().numpy()
+
+
+def check_greedy_match(ours: list[int], ref: list[int], ref_logits: np.ndarray, tie_tol=1e-4) -> str | None:
+    """Token-identical, or diverging only where the reference's top two logits tie (within tie_tol).
+    Returns a report of an accepted tie, None if identical; raises AssertionError otherwise."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            top2 = np.sort(ref_logits[i])[-2:]
+            gap = float(top2[1] - top2[0])
+            assert gap <= tie_tol, (f"greedy divergence at step {i}: ferry {a}, transformers {b}, reference "
+                                    f"top-two gap {gap:.3g} > {tie_tol} (not a tie)\nours {ours}\nref  {ref}")
+            return f"tie at step {i}: ferry {a} vs transformers {b} (reference top-two gap {gap:.2e})"
+    assert len(ours) == len(ref)
+    return None
+
+
+def make_text_model(tmp_path_factory, seed: int, chat_template: str | None = None, **overrides):
+    """(model dir, torch model): a random llama whose vocabulary is the byte-level BPE test tokenizer's
+    (tests/helpers/tokenizer_fixtures.py), with the tokenizer files beside the weights as in a real checkpoint."""
+    from helpers.tokenizer_fixtures import write_byte_level_bpe_dir  # noqa: PLC0415 (only the text tests need it)
+    from models.tokenizers.load import load_tokenizer
+
+    tok_dir = write_byte_level_bpe_dir(tmp_path_factory.mktemp("tok"), chat_template=chat_template)
+    vocab = load_tokenizer(str(tok_dir)).vocab_size
+    out = tmp_path_factory.mktemp("model")
+    torch_model = make_hf_model("llama3", out, seed=seed, vocab_size=vocab, bos_token_id=0, eos_token_id=2,
+                                pad_token_id=1, **overrides)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, out / name)
+    return str(out), torch_model
