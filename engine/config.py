@@ -2,6 +2,8 @@
 
 import dataclasses
 
+from engine.core.scheduler import PREEMPTION_MODES
+
 WARMUP_MODES = ("full", "lazy", "none")
 
 
@@ -19,7 +21,7 @@ class EngineConfig:
     preemption_mode: str = "swap"          # or "recompute"
     num_host_blocks: int | None = None     # swap space; None: as many as device blocks
     kv_dtype: str | None = None            # None: the model's dtype
-    attention_impl: str | None = None      # None: by backend (pallas_kernels.attention)
+    attention_impl: str | None = None      # None: by the devices' platform (pallas_kernels/kernels.py)
     dtype: str | None = None               # model dtype when loading from a path
     seed: int = 0                          # draws the seeds of requests that give none
     enable_prefix_caching: bool = True     # reuse the K/V of cached leading prompt blocks (kv_cache_manager)
@@ -35,8 +37,9 @@ class EngineConfig:
                                            # "none" each shape on first use
 
     def __post_init__(self):
-        if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', not {self.preemption_mode!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be {' or '.join(map(repr, PREEMPTION_MODES))}, not "
+                             f"{self.preemption_mode!r}")
         if self.warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, not {self.warmup!r}")
         if self.cpu_kv_cache_gib <= 0:

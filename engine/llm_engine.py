@@ -42,8 +42,6 @@ from pallas_kernels.kernels import Kernels
 
 log = logging.getLogger("ferry")
 
-log = logging.getLogger("ferry")
-
 
 class EngineDeadError(RuntimeError):
     """The engine cannot go on: the device state is lost (a fault after the KV cache was donated, a failed

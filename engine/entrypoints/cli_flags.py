@@ -23,6 +23,7 @@ from absl import flags, logging
 
 import models  # its package directory holds the embedded model's directory
 from engine.config import WARMUP_MODES, EngineConfig
+from engine.core.scheduler import PREEMPTION_MODES
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from engine.worker.multihost import DistributedConfig
 from models.checkpoints.gguf import GGUF_SUFFIX
@@ -33,7 +34,6 @@ FLAGS = flags.FLAGS
 
 USAGE_ERROR = 2                      # exit status for bad flags and bad values
 DEFAULT_MODEL = "models/default"     # the embedded model, relative to the working directory or the package
-PREEMPTION_MODES = ("swap", "recompute")
 # Command lines cannot easily hold a newline, yet "\n" is the commonest stop string.
 _ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}
 

@@ -7,6 +7,8 @@ metric objects are thread-safe, so /metrics renders from the event loop without 
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.core.scheduler import PREEMPTION_MODES
+
 # vLLM's buckets: latencies from milliseconds (a decode step on a GPU) to minutes (a long queue).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -67,7 +69,7 @@ class ServerMetrics:
                 ("kv_usage", "kv_cache_usage_perc", "Fraction of the replica's KV blocks in use."))}
         self._totals_seen: dict[str, int] = {}  # cumulative scheduler counts already turned into increments
         # Every label value exists from the start, so a scrape shows zeros rather than missing series.
-        for mode in ("swap", "recompute"):
+        for mode in PREEMPTION_MODES:
             self._preemptions.labels(model_name, mode)
         for reason in ("stop", "length", "abort", "error"):
             self._request_success.labels(model_name, reason)

@@ -94,10 +94,11 @@ def ferry_source_hash() -> str:
 
 
 def warm_records_dir() -> pathlib.Path | None:
-    """Where warm-up records go (ModelRunner._warm_record): inside JAX's persistent compilation cache, so
+    """Where warm-up records go (CompilationManager._warm_record): inside JAX's persistent compilation cache, so
     emptying the cache empties them too. None while the cache is off."""
     cache_dir = jax.config.jax_compilation_cache_dir
     return pathlib.Path(cache_dir) / "ferry-warm" if cache_dir else None
+
 
 class CompilationManager:
     """Which compiled program each step runs, and compiling them ahead of time (tpu-inference's compilation

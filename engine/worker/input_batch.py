@@ -36,8 +36,10 @@ class CachedRequestState:
 
     @classmethod
     def of(cls, data: NewRequestData) -> "CachedRequestState":
+        """The worker's state of a new request; it takes over `data`'s lists (copies made for it by the
+        scheduler's NewRequestData.of, read by no one else)."""
         full = data.params is not None and needs_full_sampler(data.params)
-        return cls(data.req_id, list(data.prompt_token_ids), list(data.output_token_ids), list(data.block_ids),
+        return cls(data.req_id, data.prompt_token_ids, data.output_token_ids, data.block_ids,
                    data.params, data.seed, data.max_tokens, data.min_tokens, data.stop_token_ids, data.has_grammar,
                    data.scores_prompt, full, not (full or data.min_tokens or data.has_grammar))
 
@@ -142,13 +144,19 @@ class InputBatch:
             if chunk.samples and chunk.req_id in sampled:
                 states[chunk.req_id].output_token_ids.append(sampled[chunk.req_id])
         if out.decode_tokens is not None:
-            for req_id, token in zip(scheduler_output.decodes, out.decode_tokens):
-                states[req_id].output_token_ids.append(token)
+            self.append_outputs(scheduler_output.decodes, out.decode_tokens)
         else:
             for req_id in scheduler_output.decodes:
                 if req_id in sampled:
                     states[req_id].output_token_ids.append(sampled[req_id])
         self.advance()
+
+    def append_outputs(self, req_ids: list[str], tokens: list[int]) -> None:
+        """Each request's sampled token becomes its own, for those still held (under async scheduling a request
+        may leave while its last call is in flight)."""
+        for state, token in zip(map(self.states.get, req_ids), tokens):  # the whole batch, every step
+            if state is not None:
+                state.output_token_ids.append(token)
 
     def append_blocks(self, new_block_ids: dict[str, list[int]]) -> None:
         """Blocks the scheduler appended to requests that hold a row (the others copy their table when they start

@@ -242,11 +242,7 @@ class ModelRunner:
         out = ModelRunnerOutput(decode_tokens=tokens.tolist(), may_stop=batch.may_stop(tokens, flight.packed))
         if not flight.plain:
             self._collect_logprobs(flight.req_ids, sample, out)
-        requests = self.requests
-        for req_id, token in zip(flight.req_ids, out.decode_tokens):
-            state = requests.get(req_id)
-            if state is not None:
-                state.output_token_ids.append(token)
+        batch.append_outputs(flight.req_ids, out.decode_tokens)
         return out
 
     def _pack_decodes(self, decodes: list[str], masks: dict):

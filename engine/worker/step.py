@@ -23,7 +23,7 @@ def sample_step(graphdef, state, kv_cache, fed, buf, sampling_md, layout: StepLa
     `mode` "greedy" takes no sampling metadata (None); "full" does penalties, filtering and logprobs.
     A decode step also takes `fed` i32[max rows], the last decode step's tokens (its rows first), where rows
     whose token_source is >= 0 read their input token, and returns its own tokens in the same form; None
-    in a prefill step (async scheduling: ModelRunner.dispatch_decodes)."""
+    in a prefill step (async scheduling: ModelRunner._dispatch_decodes)."""
     token_ids, positions, md, logits_indices = unpack(buf, layout, fed)
     logits, kv_cache = forward(graphdef, state, kv_cache, token_ids, positions, md, logits_indices, kernels)
     out = sample(logits, sampling_md, mode=mode)
