@@ -2,7 +2,7 @@
 # `make serve MODEL=models/default` for the embedded 5M demo model) and `make test` (ruff, then the test suite).
 # Each creates the virtual environment it needs first.
 # `make test-jax011` runs the kernel, lowering and model tests in a second, torch-free environment:
-# Python 3.12 (pyenv's) with jax 0.11.2, the release on the GPU machine.
+# Python 3.12 (pyenv's) with jax 0.11.2, the release on the GPU machine, and libtpu (the TPU compile table).
 PYTHON ?= python3
 VENV ?= .venv
 HOST ?= 127.0.0.1
@@ -30,13 +30,15 @@ $(VENV)/.installed-test: pyproject.toml setup.py | $(VENV)/bin/python
 # ---- the jax 0.11 environment (no torch: no CPU wheel of the pinned torch for it here)
 PYTHON312 ?= $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12)),python3.12)
 VENV_JAX011 ?= .venv-jax011
-JAX011 = jax==0.11.2 jaxlib==0.11.2
+# jax[tpu] brings libtpu, the real XLA TPU and Mosaic compilers: scripts/aot_compile.py's compile table
+# (tests/scripts/test_aot_compile.py) compiles Ferry's programs for v5e and v6e chips on this CPU host.
+JAX011 = jax==0.11.2 jaxlib==0.11.2 "jax[tpu]==0.11.2"
 # Test files needing no torch; modules that import tests/helpers/hf_models.py skip themselves (by reason).
 # The device-check smoke tests (scripts, same kernels) run in `make test` only, for CI time.
 JAX011_TESTS ?= tests/pallas_kernels/test_kernels.py tests/pallas_kernels/test_native_kernel.py \
 	tests/pallas_kernels/test_native_matmul.py tests/pallas_kernels/test_cuda_lowering.py \
 	tests/pallas_kernels/test_tpu_kernel.py tests/pallas_kernels/test_jax_triton_call.py \
-	tests/models/test_paged_forward.py tests/models/test_models.py
+	tests/models/test_paged_forward.py tests/models/test_models.py tests/scripts/test_aot_compile.py
 
 $(VENV_JAX011)/bin/python:
 	$(PYTHON312) -m venv $(VENV_JAX011)

@@ -132,10 +132,12 @@ class LLMEngine:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        page_dims = kernels.kv_page_dims(model.cfg.num_kv_heads, model.cfg.head_dim, kv_dtype, mesh.size)
         num_blocks = config.num_blocks or num_blocks_for_memory(
             model.cfg, config.block_size, kv_dtype, config.memory_fraction,
             cap_blocks=1 + config.max_num_seqs * math.ceil(max_model_len / config.block_size),
-            cpu_budget_bytes=int(config.cpu_kv_cache_gib * 2**30), devices=list(mesh.devices.flat))
+            cpu_budget_bytes=int(config.cpu_kv_cache_gib * 2**30), devices=list(mesh.devices.flat),
+            page_dims=page_dims)
         if jax.process_count() > 1:  # multi-host: every process must allocate the same cache
             num_blocks = agree_min("num_blocks", num_blocks)
         self.max_model_len = max_model_len
@@ -170,7 +172,7 @@ class LLMEngine:
         compiled, loaded = counter.count, counter.cache_hits
         warmup_s = self.warmup(background=True) if config.warmup == "lazy" else (
             self.warmup() if config.warmup == "full" else 0.0)
-        kv_gib = num_blocks * kv_bytes_per_block(model.cfg, config.block_size, kv_dtype) / 2**30
+        kv_gib = num_blocks * kv_bytes_per_block(model.cfg, config.block_size, kv_dtype, page_dims) / 2**30
         log.info("start-up took %.1f s: model %.1f s; KV cache %.1f s (%d blocks, %.2f GiB); warm-up=%s %.1f s "
                  "(%d programs compiled, %d loaded from the persistent compilation cache)",
                  time.perf_counter() - started, load_s, cache_s, num_blocks, kv_gib, config.warmup, warmup_s,

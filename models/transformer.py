@@ -21,7 +21,7 @@ from models.config import ModelConfig
 from models.mesh import HEADS_SPEC, KV_POOL_SPEC, MODEL_AXIS, fused_groups, model_axis_size, split_columns
 from models.paged import AttentionMetadata, KVCache, layer_pool
 from pallas_kernels import ops
-from pallas_kernels.attention import paged_attention
+from pallas_kernels.attention import write_kv_and_attend
 from pallas_kernels.kernels import Kernels
 
 _INIT = nnx.initializers.normal(0.02)
@@ -230,11 +230,10 @@ class Attention(nnx.Module):
 
 
 def _write_and_attend(q, k, v, kv, md: AttentionMetadata, *, cfg: ModelConfig, kernels: Kernels):
-    """Scatter this step's k/v [T, Hkv, D] into the pages, then attend q [T, Hq, D] through them."""
-    k_pages, v_pages = ops.write_kv(*kv, k, v, md.slot_mapping, kernels)
-    out = paged_attention(
-        q, k_pages, v_pages, md.block_tables, md.context_lens, md.query_start_loc,
-        decode=md.decode, scale=cfg.query_scale, soft_cap=cfg.attn_logit_softcap, impl=kernels.attention)
+    """This step's k/v [T, Hkv, D] into the pages, then q [T, Hq, D] attends through them."""
+    out, k_pages, v_pages = write_kv_and_attend(
+        q, k, v, *kv, md.slot_mapping, md.block_tables, md.context_lens, md.query_start_loc, decode=md.decode,
+        scale=cfg.query_scale, kernels=kernels, soft_cap=cfg.attn_logit_softcap)
     return out, (k_pages, v_pages)
 
 
@@ -391,11 +390,13 @@ class Transformer(nnx.Module):
             graphdef, stacked = nnx.split(self.layers)
 
         def layer_at(index):
-            """Layer `index`'s module and context. The barrier materialises the sliced parameters once, so the
-            matmuls stay library dots (left fusible, XLA CPU folds the dynamic-slice into them, making them
-            generic loops)."""
+            """Layer `index`'s module and context. On the CPU a barrier materialises the sliced parameters once,
+            so the matmuls stay library dots (left fusible, XLA CPU folds the dynamic-slice into them, making them
+            generic loops). Not on an accelerator: there it would copy every layer's weights each step (weight
+            reads are what bounds decode), where XLA's dots read the layer in place from the stack."""
             layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stacked)
-            layer_state, index = jax.lax.optimization_barrier((layer_state, index))
+            if ctx.kernels.platform == "cpu":
+                layer_state, index = jax.lax.optimization_barrier((layer_state, index))
             layer_ctx = dataclasses.replace(ctx, layer=index, packed=kernels_in_place)
             if not kernels_in_place:
                 return nnx.merge(graphdef, layer_state), layer_ctx

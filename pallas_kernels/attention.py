@@ -16,14 +16,32 @@ scalar-prefetched block tables into VMEM. The Pallas kernel modules are imported
 Pallas' Triton and Mosaic lowerings costs a CPU start-up that never uses them.
 """
 
-from pallas_kernels import reference
-from pallas_kernels.kernels import ATTENTION_IMPLS
+from pallas_kernels import ops, reference
+from pallas_kernels.kernels import ATTENTION_IMPLS, TPU_IMPLS, Kernels
 from pallas_kernels.native import ops as native
 
 
+def write_kv_and_attend(q, k, v, k_pages, v_pages, slot_mapping, block_tables, context_lens, query_start_loc, *,
+                        decode: bool, scale: float, kernels: Kernels, soft_cap: float | None = None):
+    """A layer's attention step: this step's K/V rows k, v [T, Hkv, D] into their slots, then paged attention over
+    the pages -> (out, k_pages, v_pages). The TPU kernel does both in one call, the pages aliased (no scatter per
+    layer); elsewhere the write is ops.write_kv and the attention `paged_attention`."""
+    if kernels.attention in TPU_IMPLS:
+        from pallas_kernels.tpu.ragged_paged_attention import write_kv_and_attend_tpu  # noqa: PLC0415
+        return write_kv_and_attend_tpu(
+            q, k, v, k_pages, v_pages, slot_mapping, block_tables, context_lens, None if decode else query_start_loc,
+            decode=decode, scale=scale, soft_cap=soft_cap, device_kind=kernels.device_kind or None,
+            interpret=kernels.attention == "pallas_tpu_interpret")
+    k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, slot_mapping, kernels)
+    out = paged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, decode=decode,
+                          scale=scale, impl=kernels.attention, soft_cap=soft_cap, device_kind=kernels.device_kind)
+    return out, k_pages, v_pages
+
+
 def paged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, decode: bool, scale: float,
-                    impl: str, soft_cap: float | None = None):
-    """Decode (one query per sequence, q [S, Hq, D]) or chunked prefill (flat q [T, Hq, D]) through `impl`."""
+                    impl: str, soft_cap: float | None = None, device_kind: str = ""):
+    """Decode (one query per sequence, q [S, Hq, D]) or chunked prefill (flat q [T, Hq, D]) through `impl`.
+    `device_kind`: the chip compiled for (the TPU kernel's block sizes follow it)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {ATTENTION_IMPLS}")
     if impl == "reference":
@@ -33,11 +51,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start
         return reference.paged_prefill_attention_ref(
             q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
             scale=scale, soft_cap=soft_cap)
-    if impl in ("pallas_tpu", "pallas_tpu_interpret"):
+    if impl in TPU_IMPLS:
         from pallas_kernels.tpu.ragged_paged_attention import ragged_paged_attention_tpu  # noqa: PLC0415
         return ragged_paged_attention_tpu(
             q, k_pages, v_pages, block_tables, context_lens, None if decode else query_start_loc,
-            decode=decode, scale=scale, soft_cap=soft_cap,
+            decode=decode, scale=scale, soft_cap=soft_cap, device_kind=device_kind or None,
             interpret=impl == "pallas_tpu_interpret")
     if impl == "jax_triton":
         from pallas_kernels.triton.jax_triton import paged_attention_jax_triton  # noqa: PLC0415 (needs triton)

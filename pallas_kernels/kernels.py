@@ -17,7 +17,9 @@ from pallas_kernels.native.ops import supports as native_supports
 # jax-triton, CUDA only).
 ATTENTION_IMPLS = ("reference", "native", "pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret",
                    "jax_triton")
+TPU_IMPLS = ("pallas_tpu", "pallas_tpu_interpret")  # the TPU kernel: pages padded to lane tiles, K/V written by it
 PLATFORMS = ("cpu", "gpu", "tpu")
+LANES = 128  # a TPU vreg's lanes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,6 +27,25 @@ class Kernels:
     platform: str    # "cpu", "gpu" or "tpu": the devices the step runs on
     attention: str   # one of ATTENTION_IMPLS
     native: bool     # the native CPU ops: RMSNorm, the KV write, the packed stacked matmul (CPU, library built)
+    device_kind: str = ""  # the chip (jax.Device.device_kind): the TPU kernel's block sizes follow it
+
+    def kv_page_dims(self, num_kv_heads: int, head_dim: int, dtype, shards: int = 1) -> tuple[int, int]:
+        """(KV heads, head dim) of the KV cache's pages, over `shards` tensor-parallel shards. For the TPU kernel,
+        padded (zeros in the padding): head_dim to whole 128-lane tiles, which its DMAs move, and each shard's
+        heads to the dtype's sublane packing (2 for 16-bit types: XLA lays out an odd count of 16-bit heads
+        unpacked, and the kernel's custom call would copy the whole pool to repack it). Elsewhere the model's."""
+        if self.attention not in TPU_IMPLS:
+            return num_kv_heads, head_dim
+        packing = max(1, 4 // jnp.dtype(dtype).itemsize)
+        per_shard = -(-(num_kv_heads // shards) // packing) * packing
+        return shards * per_shard, -(-head_dim // LANES) * LANES
+
+    def check_step_limits(self, num_seqs: int, table_width: int, num_tokens: int) -> None:
+        """Raise a ValueError naming the flags to change where a step of these shapes cannot run (the TPU
+        kernel's block tables must fit SMEM)."""
+        if self.attention in TPU_IMPLS:
+            from pallas_kernels.tpu.ragged_paged_attention import check_smem  # noqa: PLC0415 (imports Pallas)
+            check_smem(num_seqs, table_width, num_tokens)
 
     def __post_init__(self):
         if self.platform not in PLATFORMS:
@@ -35,7 +56,8 @@ class Kernels:
             raise ValueError("the native kernels run on the CPU only")
 
     @classmethod
-    def for_platform(cls, platform: str, dtype=None, kv_dtype=None, attention: str | None = None) -> "Kernels":
+    def for_platform(cls, platform: str, dtype=None, kv_dtype=None, attention: str | None = None,
+                     device_kind: str = "") -> "Kernels":
         """The kernels for `platform` ("cuda"/"rocm" count as "gpu"), with activations of `dtype` over a KV cache
         of `kv_dtype` (default: dtype), and `attention` forced if given (a "pallas" request on a TPU takes the
         Mosaic kernel: Triton does not run there)."""
@@ -45,12 +67,13 @@ class Kernels:
             attention = default_attention(platform, dtype, kv_dtype or dtype, native)
         elif attention == "pallas" and platform == "tpu":
             attention = "pallas_tpu"
-        return cls(platform, attention, native)
+        return cls(platform, attention, native, device_kind)
 
     @classmethod
     def for_mesh(cls, mesh, dtype=None, kv_dtype=None, attention: str | None = None) -> "Kernels":
         """The kernels for the devices of `mesh` (one platform)."""
-        return cls.for_platform(mesh.devices.flat[0].platform, dtype, kv_dtype, attention)
+        device = mesh.devices.flat[0]
+        return cls.for_platform(device.platform, dtype, kv_dtype, attention, device.device_kind)
 
 
 def default_attention(platform: str, dtype=None, kv_dtype=None, native: bool | None = None) -> str:

@@ -259,19 +259,10 @@ class CompilationManager:
 
     def compile_step(self, layout: StepLayout, mode: str, cache=None):
         """sample_step compiled ahead of time for `layout` and sampler `mode`, against `cache` (default: the KV
-        cache's shapes) and the arguments a step passes (shapes only: nothing runs). Under the mesh context the
-        steps run in: it is part of what a compiled program is keyed by."""
+        cache's shapes) and the arguments a step passes (shapes only: nothing runs)."""
         runner = self.runner
-        m = runner.model
-        cache = cache or runner.kv.shapes()
-        fed = runner.fed
-        fed = jax.ShapeDtypeStruct(fed.shape, fed.dtype, sharding=fed.sharding) if layout.decode else None
-        buf = np.zeros(layout.size, np.int32)
-        sampling_md = (build_sampling_metadata([], layout.num_seqs, layout.width * runner.block_size,
-                                               m.cfg.vocab_size) if mode == "full" else None)
-        with jax.set_mesh(runner.mesh):  # per thread: the mesh context is thread-local
-            return sample_step.lower(runner.graphdef, m.state, cache, fed, buf, sampling_md, layout, mode,
-                                     runner.kernels).compile()
+        return compile_step(runner.graphdef, runner.model.state, cache or runner.kv.shapes(), runner.fed, layout, mode,
+                            runner.kernels, runner.mesh, runner.block_size, runner.model.cfg.vocab_size)
 
     def _compile_in_background(self, groups, cache) -> None:
         t0 = time.perf_counter()
@@ -281,6 +272,22 @@ class CompilationManager:
             self.runner.kv.compile_swaps(cache)
             log.info("warm-up: the background thread compiled %d step programs and the swap copies in %.1f s",
                      sum(len(programs) for programs, _ in groups), time.perf_counter() - t0)
+
+
+def compile_step(graphdef, state, cache, fed, layout: StepLayout, mode: str, kernels, mesh, block_size: int,
+                 vocab_size: int):
+    """sample_step compiled ahead of time for `layout` and sampler `mode` with the arguments a step passes:
+    `state` and `cache` (arrays or ShapeDtypeStructs), `fed` (the decode feedback buffer, or its shape), the
+    packed buffer and the sampling metadata as shapes. Lowered and compiled under the mesh context the steps
+    run in: it is part of what a compiled program is keyed by (compiled outside it, the steps would compile
+    again). Warm-up compiles through here, and so does scripts/aot_compile.py (for a TPU slice, from a CPU
+    host)."""
+    fed = jax.ShapeDtypeStruct(fed.shape, fed.dtype, sharding=fed.sharding) if layout.decode else None
+    buf = np.zeros(layout.size, np.int32)
+    sampling_md = (build_sampling_metadata([], layout.num_seqs, layout.width * block_size, vocab_size)
+                   if mode == "full" else None)
+    with jax.set_mesh(mesh):  # per thread: the mesh context is thread-local
+        return sample_step.lower(graphdef, state, cache, fed, buf, sampling_md, layout, mode, kernels).compile()
 
 
 # ------------------------------------------------------------------ compile counting

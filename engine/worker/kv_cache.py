@@ -34,20 +34,30 @@ def host_memory_sharding(mesh):
     return None
 
 
-def kv_bytes_per_block(cfg, block_size, dtype) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def kv_bytes_per_block(cfg, block_size, dtype, page_dims: tuple[int, int] | None = None) -> int:
+    """Bytes of one block over every layer, K and V, with pages of `page_dims` (KV heads, head dim): default the
+    model's; the TPU pads them (Kernels.kv_page_dims)."""
+    heads, dim = page_dims or (cfg.num_kv_heads, cfg.head_dim)
+    return 2 * cfg.num_layers * block_size * heads * dim * jnp.dtype(dtype).itemsize
+
+
+def memory_stats_device(devices):
+    """The device to ask for memory statistics: the first of `devices` this process can address (jaxlib refuses
+    another process's device), or None."""
+    return next((d for d in devices if d.process_index == jax.process_index()), None)
 
 
 def num_blocks_for_memory(cfg, block_size, dtype, memory_fraction: float, cap_blocks: int,
-                          cpu_budget_bytes: int, devices=None) -> int:
+                          cpu_budget_bytes: int, devices=None, page_dims: tuple[int, int] | None = None) -> int:
     """KV blocks that fit in `memory_fraction` of an accelerator's free memory, or on CPU (or a
     device that reports no memory) in `cpu_budget_bytes`: a fixed budget, as vLLM's CPU backend, not a
     share of host RAM (gigabytes of zeros to allocate for a small model). At most
     `cap_blocks`: more than every sequence at full length could use is waste. Over `devices` (tensor
     parallel), each holds 1/len(devices) of every block, so an accelerator's budget is per device."""
     devices = devices or jax.devices()[:1]
-    stats = (devices[0].memory_stats() or {}) if devices[0].platform != "cpu" else {}
-    block_bytes = kv_bytes_per_block(cfg, block_size, dtype)
+    device = memory_stats_device(devices)
+    stats = (device.memory_stats() or {}) if device is not None and device.platform != "cpu" else {}
+    block_bytes = kv_bytes_per_block(cfg, block_size, dtype, page_dims)
     if "bytes_limit" in stats:
         budget = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * memory_fraction)
         block_bytes //= len(devices)
@@ -62,14 +72,15 @@ class KVCacheStore:
     output. `buckets`: the padded block counts a swap copy takes (each compiles once)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh, swap_buckets: tuple[int, ...],
-                 native_write: bool):
+                 native_write: bool, page_dims: tuple[int, int] | None = None):
+        """`page_dims`: the pages' (KV heads, head dim) (Kernels.kv_page_dims; default the model's)."""
+        heads, dim = page_dims or (cfg.num_kv_heads, cfg.head_dim)
         self.device_sharding = kv_cache_sharding(mesh)
         # Committed to the devices from the start: every later cache (step or swap output) is too, so the jitted
         # step sees one input placement and compiles each shape once. Zeros made in place on each device: no full
         # copy of the cache anywhere.
         self.pages: KVCache = jax.jit(
-            functools.partial(init_kv_cache, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                              dtype),
+            functools.partial(init_kv_cache, cfg.num_layers, num_blocks, block_size, heads, dim, dtype),
             out_shardings=(self.device_sharding, self.device_sharding))()
         self.host_sharding = host_memory_sharding(mesh)
         self.swap_buckets = swap_buckets

@@ -1,8 +1,12 @@
 """Ragged paged attention for TPU (Mosaic TPU Pallas): decode and chunked prefill in one kernel.
 
-Layouts are the ones in pallas_kernels/reference.py (its functions are this kernel's oracle):
+Layouts are the ones in pallas_kernels/reference.py (its functions are this kernel's oracle), except that the
+pages are padded (the engine stores them so, zeros in the padding: Kernels.kv_page_dims): their last dim to
+whole 128-lane tiles (`page_head_dim`), and their KV heads to an even count for 16-bit pages (`page_kv_heads`:
+XLA lays out an odd count of 16-bit heads unpacked, and the kernel's custom call would copy the whole pool to
+repack it):
   q               [T, num_q_heads, head_dim]   flat query tokens (decode: one per sequence)
-  k_pages         [num_blocks, block_size, num_kv_heads, head_dim]   (v_pages the same)
+  k_pages         [num_blocks, block_size, page_kv_heads, page_head_dim]   (v_pages the same)
   block_tables    [S, W] int32   page ids of each sequence; entries past its last page are never read
   context_lens    [S] int32      tokens in the cache, this step's included; 0 = padding row
   query_start_loc [S + 1] int32  sequence s owns query rows [qsl[s], qsl[s+1]); rows from qsl[S]
@@ -10,15 +14,16 @@ Layouts are the ones in pallas_kernels/reference.py (its functions are this kern
 
 How it maps to the TPU (the design of jax's pallas/ops/tpu paged_attention and tpu-inference's
 ragged paged attention, written again for Ferry's cache layout):
-  * block tables, context lengths, query starts and the per-block sequence ranges are scalar
-    prefetch operands (SMEM), so page ids are known to the scalar core before any vector work;
-  * K/V pages stay in HBM (memory_space=pl.ANY). For each sequence the kernel walks its pages
-    `pages_per_block` at a time: whole pages [block_size, Hkv, D] are copied with
-    pltpu.make_async_copy into a double-buffered VMEM scratch, and the next block's copies are
-    started before the current block is used, so DMA overlaps compute. Nothing is gathered by
-    vector loads: ragged tails (slots past a context, pages past a sequence's last) are masked
-    with iota comparisons, and V rows outside the context are zeroed so garbage (NaN) in them
-    cannot reach the output;
+  * block tables (flattened to 1-D: a 2-D SMEM array pads its rows), context lengths, query starts and the
+    per-block sequence ranges are scalar prefetch operands (SMEM), so page ids are known to the scalar core
+    before any vector work; `smem_bytes` is what they take, checked at engine start (check_smem);
+  * K/V pages stay in HBM (memory_space=pl.ANY) and whole pages [block_size, Hkv, Dp] are copied with
+    pltpu.make_async_copy into a double-buffered VMEM scratch, `pages_per_block` a block. The copies run one
+    block ahead across the whole grid: while a sequence's last block is used, the next sequence's first (in
+    the same query block or the next one) streams in, so the DMA pipeline never drains between sequences
+    (the grid is therefore sequential, "arbitrary"; a count in SMEM carries the buffer parity across
+    programs). Ragged tails (slots past a context, pages past a sequence's last) are masked with iota
+    comparisons, and V rows outside the context are zeroed so garbage (NaN) in them cannot reach the output;
   * the grid is over query blocks. Prefill: `block_q` consecutive query tokens, which may belong to
     several sequences (each is visited in turn; every row's online-softmax state changes only
     while its own sequence is visited, because every key of another sequence is masked for it).
@@ -27,16 +32,18 @@ ragged paged attention, written again for Ferry's cache layout):
     (q is laid out [Hkv, group, tokens, Dp] in the wrapper), so each K/V block is one MXU
     operand for `group * block_q` rows; all KV heads are handled by one program, so each page
     is copied once per query block;
-  * head_dim is padded to Dp = a multiple of 128 lanes: q and the output in the wrapper, K/V in
-    VMEM (the copy fills the first head_dim lanes of a zeroed buffer);
+  * head_dim is padded to Dp = a multiple of 128 lanes: q (zeros) and the output in the wrapper, the pages in
+    the cache, so every DMA moves whole lane tiles (Mosaic cannot DMA a 64-lane window of a 128-lane tile);
   * online softmax with float32 running max / sum / accumulator in VMEM scratch; optional
-    soft-cap (Gemma 2 style: cap * tanh(s / cap)).
+    soft-cap (Gemma 2 style: cap * tanh(s / cap));
+  * block sizes and the scoped VMEM limit come from the chip's row of tuned_block_sizes.py.
 
 impl="pallas_tpu" compiles it with Mosaic on a TPU; "pallas_tpu_interpret" runs it anywhere with
 the TPU interpreter (pltpu.InterpretParams: DMAs, semaphores and VMEM simulated, uninitialised
 memory NaN, out-of-bounds reads raise, optional race detection), which is how CI checks it.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -45,10 +52,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.triton.common import MASK_VALUE, normalise, paged_cache_dims
+from pallas_kernels.tpu.tuned_block_sizes import ChipBlockSizes, block_sizes_for
+from pallas_kernels.triton.common import MASK_VALUE, normalise
 
 LANES = 128  # a TPU vreg is 8 sublanes x 128 lanes
 NUM_BUFFERS = 2  # K/V VMEM buffers: block b is read from b % 2 while b + 1 streams into the other
+# SMEM the scalar-prefetched tables may take: TPU cores have 1 MiB of SMEM (v4-v6), and Mosaic keeps some.
+SMEM_BUDGET_BYTES = 512 * 1024
 
 
 def sublane_multiple(dtype) -> int:
@@ -60,75 +70,173 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def page_head_dim(head_dim: int) -> int:
+    """The last dim of the pages this kernel reads: head_dim padded to whole lane tiles."""
+    return round_up(head_dim, LANES)
+
+
+def page_kv_heads(num_kv_heads: int, dtype) -> int:
+    """The KV heads a (per-shard) page holds: rounded up to the dtype's sublane packing (2 for 16-bit types)."""
+    return round_up(num_kv_heads, max(1, 4 // jnp.dtype(dtype).itemsize))
+
+
+def smem_bytes(num_seqs: int, table_width: int, num_q_blocks: int, num_new_rows: int = 0) -> int:
+    """SMEM of the scalar prefetch operands: the flat block table, lengths, query starts, block ranges, and
+    the new K/V rows' slots."""
+    return 4 * (num_seqs * table_width + num_seqs + num_seqs + 1 + 2 * num_q_blocks + num_new_rows)
+
+
+def check_smem(num_seqs: int, table_width: int, num_tokens: int) -> None:
+    """Raise a ValueError naming the flags to change when a step's tables would not fit SMEM."""
+    need = smem_bytes(num_seqs, table_width, max(num_seqs, num_tokens), num_tokens)
+    if need > SMEM_BUDGET_BYTES:
+        raise ValueError(
+            f"the TPU attention kernel's block tables need {need / 1024:.0f} KiB of SMEM ({num_seqs} sequences x "
+            f"{table_width} pages each), over its {SMEM_BUDGET_BYTES // 1024} KiB: lower --max_num_seqs or "
+            f"--max_model_len, or raise --block_size (pages per sequence = max_model_len / block_size)")
+
+
 # ----------------------------------------------------------------------------- kernel
 
 
-def _page_copies(hbm_ref, buf_ref, sem, tables_ref, seq, first_page, num_pages, *, head_dim):
-    """One (cond, async copy) per page slot of a K or V block: logical pages first_page + j of
-    sequence `seq` into buf_ref[j] (its first head_dim lanes); pages >= num_pages are skipped.
+class _BlockCopy:
+    """The page copies of one K/V block: logical pages first_page .. of sequence `seq` (those below
+    num_pages) from HBM into a VMEM buffer [pages_per_block, bs, Hkv, Dp], all on one DMA semaphore. start()
+    and wait() loop over the same pages, so every wait has its start (a wait without one would deadlock)."""
 
-    Returned as a list so that start() and wait() run on the very same descriptors and conditions
-    (a wait without its start would deadlock the DMA semaphore).
+    def __init__(self, hbm_ref, buf_ref, sem, tables_ref, table_width, seq, first_page, num_pages):
+        self.hbm_ref, self.buf_ref, self.sem = hbm_ref, buf_ref, sem
+        self.tables_ref, self.table_width, self.seq, self.first_page = tables_ref, table_width, seq, first_page
+        self.count = jnp.clip(num_pages - first_page, 0, buf_ref.shape[0])
+
+    def _copy(self, j):
+        page = self.tables_ref[self.seq * self.table_width + self.first_page + j]
+        return pltpu.make_async_copy(self.hbm_ref.at[page], self.buf_ref.at[j], self.sem)
+
+    def start(self):
+        lax.fori_loop(0, self.count, lambda j, c: (self._copy(j).start(), c)[1], 0)
+
+    def wait(self):
+        lax.fori_loop(0, self.count, lambda j, c: (self._copy(j).wait(), c)[1], 0)
+
+
+def _write_rows(slots_ref, new_k, new_v, k_out, v_out, sem):
+    """HBM-to-HBM copies of each new K/V row [Hkv, Dp] into its slot of the cache, all started, then all waited.
+    Slots past the cache are dropped (as the XLA scatter's mode="drop" does)."""
+    num_rows = new_k.shape[0]
+    num_blocks, block_size = k_out.shape[:2]
+
+    def copies(t):
+        slot = slots_ref[t]
+        page, offset = lax.div(slot, block_size), lax.rem(slot, block_size)  # slot >= 0 where used
+        return (slot >= 0) & (page < num_blocks), [
+            pltpu.make_async_copy(new.at[t], out.at[page, offset], sem) for new, out in ((new_k, k_out),
+                                                                                         (new_v, v_out))]
+
+    def start(t, carry):
+        ok, row_copies = copies(t)
+        for c in row_copies:
+            pl.when(ok)(c.start)
+        return carry
+
+    def wait(t, carry):
+        ok, row_copies = copies(t)
+        for c in row_copies:
+            pl.when(ok)(c.wait)
+        return carry
+
+    lax.fori_loop(0, num_rows, start, 0)
+    lax.fori_loop(0, num_rows, wait, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Visit:
+    """One query block's view of one sequence: its rows, where they sit, and the keys they need."""
+    seq: jax.Array
+    q_start: jax.Array
+    q_end: jax.Array
+    pos_offset: jax.Array   # absolute position of a row = row + pos_offset
+    kv_len: jax.Array       # keys up to the block's last row of the sequence (causal), within the context
+    num_pages: jax.Array
+    num_kv_blocks: jax.Array
+
+
+def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None, write_kv: bool):
+    """Refs, in order (the ones marked [write_kv] only when this step's K/V rows are written here):
+      scalar prefetch (SMEM):
+        tables_ref      [S * W] int32    flat block tables
+        lens_ref        [S] int32        context length of each sequence
+        qsl_ref         [S + 1] int32    query rows of sequence s: [qsl[s], qsl[s+1])
+        block_seqs_ref  [num_q_blocks * 2] int32  sequences [first, end) with rows in each block
+        slots_ref       [T] int32        [write_kv] the cache slot of each new K/V row
+      inputs:
+        q_ref           [Hkv, group, block_q, Dp] this block's queries (VMEM)
+        k_hbm, v_hbm    [N, bs, Hkv, Dp] the whole cache, left in HBM (aliased to the outputs under write_kv)
+        new_k, new_v    [T, Hkv, Dp] this step's K/V rows, in HBM [write_kv]
+      outputs:
+        o_ref           [Hkv, group, block_q, Dp]
+        k_out, v_out    [N, bs, Hkv, Dp] the cache, the same buffers as k_hbm, v_hbm [write_kv]
+      scratch:
+        k_buf, v_buf    [NUM_BUFFERS, pages_per_block, bs, Hkv, Dp] VMEM
+        sems            DMA semaphores [3 (K, V, the writes), NUM_BUFFERS]
+        blocks_done     [1] int32 SMEM: K/V blocks used so far by this grid (the buffer parity)
+        m_ref, l_ref    [Hkv, rows, LANES] f32 running max and sum (replicated over lanes)
+        acc_ref         [Hkv, rows, Dp] f32 unnormalised output
     """
-    pages_per_block, _, _, dp = buf_ref.shape
-    table_width = tables_ref.shape[1]
-    copies = []
-    for j in range(pages_per_block):
-        logical = first_page + j
-        page = tables_ref[seq, jnp.minimum(logical, table_width - 1)]
-        dst = buf_ref.at[j] if head_dim == dp else buf_ref.at[j, :, :, pl.ds(0, head_dim)]
-        copies.append((logical < num_pages, pltpu.make_async_copy(hbm_ref.at[page], dst, sem)))
-    return copies
-
-
-def _start(copies):
-    for cond, copy in copies:
-        pl.when(cond)(copy.start)
-
-
-def _wait(copies):
-    for cond, copy in copies:
-        pl.when(cond)(copy.wait)
-
-
-def _ragged_kernel(
-    # scalar prefetch (SMEM)
-    tables_ref,       # [S, W] int32
-    lens_ref,         # [S] int32        context length of each sequence
-    qsl_ref,          # [S + 1] int32    query rows of sequence s: [qsl[s], qsl[s+1])
-    block_seqs_ref,   # [num_q_blocks, 2] int32  sequences [first, end) with rows in each block
-    # inputs
-    q_ref,            # [Hkv, group, block_q, Dp] this block's queries (VMEM)
-    k_hbm,            # [N, bs, Hkv, D] the whole cache, left in HBM
-    v_hbm,            # [N, bs, Hkv, D]
-    # output
-    o_ref,            # [Hkv, group, block_q, Dp]
-    # scratch
-    k_buf,            # [NUM_BUFFERS, pages_per_block, bs, Hkv, Dp] VMEM
-    v_buf,            # [NUM_BUFFERS, pages_per_block, bs, Hkv, Dp]
-    sems,             # DMA semaphores [2 (K, V), NUM_BUFFERS]
-    m_ref,            # [Hkv, rows, LANES] f32 running max (replicated over lanes)
-    l_ref,            # [Hkv, rows, LANES] f32 running sum
-    acc_ref,          # [Hkv, rows, Dp] f32 unnormalised output
-    *,
-    head_dim: int,
-    scale: float,
-    soft_cap: float | None,
-):
+    refs = list(refs)
+    tables_ref, lens_ref, qsl_ref, block_seqs_ref = refs[:4]
+    slots_ref = refs.pop(4) if write_kv else None
+    q_ref, k_hbm, v_hbm = refs[4:7]
+    new_k, new_v = (refs.pop(7), refs.pop(7)) if write_kv else (None, None)
+    o_ref = refs[7]
+    if write_kv:  # read the cache through the outputs: the interpreter keeps aliased buffers apart
+        k_hbm, v_hbm = refs.pop(8), refs.pop(8)
+    k_buf, v_buf, sems, blocks_done, m_ref, l_ref, acc_ref = refs[8:]
     num_kv_heads, group, block_q, dp = q_ref.shape
     _, pages_per_block, block_size, _, _ = k_buf.shape
     keys_per_block = pages_per_block * block_size
     rows = group * block_q
-    table_width = tables_ref.shape[1]
-    q_block = pl.program_id(0)
-    block_start = q_block * block_q  # first query row of this block
+    num_programs = pl.num_programs(0)
+    program = pl.program_id(0)
+    block_start = program * block_q  # first query row of this block
+
+    def visit(prog, seq) -> _Visit:
+        """Query block `prog` visiting sequence `seq` (pure SMEM arithmetic: any program can ask)."""
+        q_start, q_end = qsl_ref[seq], qsl_ref[seq + 1]
+        ctx_len = lens_ref[seq]
+        pos_offset = ctx_len - (q_end - q_start) - q_start
+        first_row = prog * block_q
+        last_row = jnp.minimum(q_end, first_row + block_q) - 1
+        has_rows = last_row >= jnp.maximum(q_start, first_row)
+        kv_len = jnp.where(has_rows, jnp.clip(last_row + pos_offset + 1, 0, ctx_len), 0)
+        num_pages = jnp.minimum(pl.cdiv(kv_len, block_size), table_width)
+        return _Visit(seq, q_start, q_end, pos_offset, kv_len, num_pages, pl.cdiv(num_pages, pages_per_block))
+
+    def seq_range(prog):
+        return block_seqs_ref[2 * prog], block_seqs_ref[2 * prog + 1]
+
+    def copies(v: _Visit, kv_block, slot):
+        first = kv_block * pages_per_block
+        return [_BlockCopy(hbm, buf.at[slot], sems.at[i, slot], tables_ref, table_width, v.seq, first, v.num_pages)
+                for i, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+
+    def start(block_copies):
+        for c in block_copies:
+            c.start()
+
+    def wait(block_copies):
+        for c in block_copies:
+            c.wait()
+
+    @pl.when(program == 0)
+    def _():
+        blocks_done[0] = 0
+        if write_kv:  # every new row lands before any page is read (the first K/V copies start below)
+            _write_rows(slots_ref, new_k, new_v, k_hbm, v_hbm, sems.at[2, 0])
 
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    if head_dim != dp:  # the padding lanes are never copied into: make them zeros once
-        k_buf[...] = jnp.zeros(k_buf.shape, k_buf.dtype)
-        v_buf[...] = jnp.zeros(v_buf.shape, v_buf.dtype)
 
     # Row r of a head's matmul is query head r // block_q of the group, token r % block_q.
     token = block_start + lax.broadcasted_iota(jnp.int32, (rows, keys_per_block), 0) % block_q
@@ -136,19 +244,18 @@ def _ragged_kernel(
     v_slot = lax.broadcasted_iota(jnp.int32, (keys_per_block, dp), 0)
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
-    def attend_block(seq_state, kv_block, slot):
+    def attend_block(v: _Visit, kv_block, slot):
         """Online-softmax update of every KV head's rows with K/V block `kv_block` in `slot`."""
-        q_start, q_end, pos_offset, kv_len = seq_state
         key_pos = kv_block * keys_per_block + key_in_block
         # Rows of this sequence only, causal, within the keys this block needs.
-        mask = ((token >= q_start) & (token < q_end) & (key_pos < kv_len)
-                & (key_pos <= token + pos_offset))
-        v_ok = kv_block * keys_per_block + v_slot < kv_len
+        mask = ((token >= v.q_start) & (token < v.q_end) & (key_pos < v.kv_len)
+                & (key_pos <= token + v.pos_offset))
+        v_ok = kv_block * keys_per_block + v_slot < v.kv_len
         for h in range(num_kv_heads):
             q = q_ref[h].reshape(rows, dp)
             k = k_buf[slot, :, :, h, :].reshape(keys_per_block, dp)
-            v = v_buf[slot, :, :, h, :].reshape(keys_per_block, dp)
-            v = jnp.where(v_ok, v, jnp.zeros_like(v))  # garbage past the context must not leak
+            val = v_buf[slot, :, :, h, :].reshape(keys_per_block, dp)
+            val = jnp.where(v_ok, val, jnp.zeros_like(val))  # garbage past the context must not leak
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * scale
             if soft_cap is not None:
@@ -160,49 +267,59 @@ def _ragged_kernel(
             p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
             correction = jnp.exp(m_prev - m_next)
             l_next = correction * l_ref[h][:, :1] + p.sum(axis=1, keepdims=True)
-            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            pv = lax.dot_general(p.astype(val.dtype), val, (((1,), (0,)), ((), ())),
                                  precision=precision, preferred_element_type=jnp.float32)
             acc_ref[h] = correction * acc_ref[h] + pv
             m_ref[h] = jnp.broadcast_to(m_next, (rows, LANES))
             l_ref[h] = jnp.broadcast_to(l_next, (rows, LANES))
 
+    first_seq, end_seq = seq_range(program)
+
     def visit_sequence(seq, carry):
-        q_start, q_end = qsl_ref[seq], qsl_ref[seq + 1]
-        ctx_len = lens_ref[seq]
-        pos_offset = ctx_len - (q_end - q_start) - q_start  # absolute position = row + offset
-        # Keys up to this block's last row of the sequence (causal), within the context.
-        last_row = jnp.minimum(q_end, block_start + block_q) - 1
-        has_rows = last_row >= jnp.maximum(q_start, block_start)
-        kv_len = jnp.where(has_rows, jnp.clip(last_row + pos_offset + 1, 0, ctx_len), 0)
-        num_pages = jnp.minimum(pl.cdiv(kv_len, block_size), table_width)
-        num_kv_blocks = pl.cdiv(num_pages, pages_per_block)
+        cur = visit(program, seq)
+        # The visit before this one in grid order (this block's previous sequence, or the previous block's
+        # last) started this visit's first block if it had blocks of its own; else this visit starts it.
+        prev_first, prev_end = seq_range(jnp.maximum(program - 1, 0))
+        prev_in_block = seq > first_seq
+        has_prev = prev_in_block | ((program > 0) & (prev_end > prev_first))
+        last_seq = lens_ref.shape[0] - 1  # clamped: a visit that does not exist must not read past the tables
+        prev = visit(jnp.where(prev_in_block, program, program - 1),
+                     jnp.clip(jnp.where(prev_in_block, seq - 1, prev_end - 1), 0, last_seq))
+        started = has_prev & (prev.num_kv_blocks > 0)
+        # The visit after this one: this block's next sequence, or the next block's first.
+        next_first, next_end = seq_range(jnp.minimum(program + 1, num_programs - 1))
+        next_in_block = seq + 1 < end_seq
+        has_next = next_in_block | ((program + 1 < num_programs) & (next_end > next_first))
+        nxt = visit(jnp.where(next_in_block, program, program + 1),
+                    jnp.clip(jnp.where(next_in_block, seq + 1, next_first), 0, last_seq))
+        next_blocks = jnp.where(has_next, nxt.num_kv_blocks, 0)
 
-        def copies(kv_block, slot):
-            first = kv_block * pages_per_block
-            return (_page_copies(k_hbm, k_buf.at[slot], sems.at[0, slot], tables_ref, seq, first,
-                                 num_pages, head_dim=head_dim)
-                    + _page_copies(v_hbm, v_buf.at[slot], sems.at[1, slot], tables_ref, seq,
-                                   first, num_pages, head_dim=head_dim))
-
-        @pl.when(num_kv_blocks > 0)
+        @pl.when((cur.num_kv_blocks > 0) & jnp.logical_not(started))
         def _():
-            _start(copies(0, 0))
+            start(copies(cur, 0, blocks_done[0] % NUM_BUFFERS))
 
         def kv_step(kv_block, _):
-            slot = kv_block % NUM_BUFFERS
+            done = blocks_done[0]
+            slot, other = done % NUM_BUFFERS, (done + 1) % NUM_BUFFERS
+            last = kv_block + 1 == cur.num_kv_blocks
 
-            @pl.when(kv_block + 1 < num_kv_blocks)
+            @pl.when(jnp.logical_not(last))
             def _():  # the next block streams in while this one is used
-                _start(copies(kv_block + 1, (kv_block + 1) % NUM_BUFFERS))
+                start(copies(cur, kv_block + 1, other))
 
-            _wait(copies(kv_block, slot))
-            attend_block((q_start, q_end, pos_offset, kv_len), kv_block, slot)
+            @pl.when(last & (next_blocks > 0))
+            def _():  # ... and after the last, the next visit's first
+                start(copies(nxt, 0, other))
+
+            wait(copies(cur, kv_block, slot))
+            attend_block(cur, kv_block, slot)
+            blocks_done[0] = done + 1
             return 0
 
-        lax.fori_loop(0, num_kv_blocks, kv_step, 0)
+        lax.fori_loop(0, cur.num_kv_blocks, kv_step, 0)
         return carry
 
-    lax.fori_loop(block_seqs_ref[q_block, 0], block_seqs_ref[q_block, 1], visit_sequence, 0)
+    lax.fori_loop(first_seq, end_seq, visit_sequence, 0)
 
     for h in range(num_kv_heads):
         out = normalise(acc_ref[h], l_ref[h][:, 0])  # rows that saw no key come out as zeros
@@ -213,17 +330,23 @@ def _ragged_kernel(
 
 
 def block_sequences(query_start_loc, num_blocks: int, block_q: int):
-    """[num_blocks, 2] int32: the sequences [first, end) owning rows of each query block."""
+    """[num_blocks * 2] int32: the sequences [first, end) owning rows of each query block, flat."""
     qsl = query_start_loc.astype(jnp.int32)
     starts = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
     first = jnp.searchsorted(qsl[1:], starts, side="right")        # sequences ending at or before
     end = jnp.searchsorted(qsl[:-1], starts + block_q, side="left")  # sequences starting before end
-    return jnp.stack([first, jnp.maximum(end, first)], axis=1).astype(jnp.int32)
+    return jnp.stack([first, jnp.maximum(end, first)], axis=1).astype(jnp.int32).reshape(-1)
 
 
-def default_pages_per_block(block_size: int, target_keys: int = 128) -> int:
-    """Pages per K/V block: ~target_keys keys, so each head's score tile is 128 lanes wide."""
-    return max(1, target_keys // block_size)
+MAX_KEYS_PER_BLOCK = 1024  # Mosaic unrolls a block's per-head work: compile time grows with it
+
+
+def default_pages_per_block(block_size: int, num_kv_heads: int, dp: int, dtype, kv_block_bytes: int,
+                            table_width: int) -> int:
+    """Pages per K/V block: as many whole pages as `kv_block_bytes` of K holds, at most MAX_KEYS_PER_BLOCK keys
+    and the table's width (a longer block than a sequence's pages is masked work), at least one."""
+    page_bytes = block_size * num_kv_heads * dp * jnp.dtype(dtype).itemsize
+    return max(1, min(kv_block_bytes // page_bytes, MAX_KEYS_PER_BLOCK // block_size, table_width))
 
 
 def default_block_q(group: int, dtype, target_rows: int = 128) -> int:
@@ -239,8 +362,26 @@ def interpret_params(interpret):
     return interpret or False
 
 
-@functools.partial(jax.jit, static_argnames=[
-    "decode", "scale", "soft_cap", "block_q", "pages_per_block", "interpret"])
+def _cost(num_rows, num_q_heads, head_dim, num_seqs, table_width, block_size, num_kv_heads, dp, itemsize,
+          num_programs, decode, new_rows):
+    """What the kernel moves and computes when every sequence fills its table (decode: exactly what a step
+    at full length reads; prefill: an upper bound, each query block reading one full table of pages), with the
+    new K/V rows' copies (read and written once each)."""
+    page_bytes = block_size * num_kv_heads * dp * itemsize
+    tables_read = num_seqs if decode else num_programs
+    keys = tables_read * table_width * block_size
+    rows_per_table = 1 if decode else max(1, num_rows // max(1, num_programs))
+    return pl.CostEstimate(
+        flops=4 * keys * rows_per_table * num_q_heads * dp,
+        transcendentals=keys * rows_per_table * num_q_heads,
+        bytes_accessed=(2 * tables_read * table_width * page_bytes + 2 * num_rows * num_q_heads * dp * itemsize
+                        + 2 * 2 * new_rows * num_kv_heads * dp * itemsize))
+
+
+_STATIC = ["decode", "scale", "soft_cap", "block_q", "pages_per_block", "device_kind", "interpret", "num_kv_heads"]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def ragged_paged_attention_tpu(
     q, k_pages, v_pages, block_tables, context_lens, query_start_loc=None, *,
     decode: bool,
@@ -248,19 +389,59 @@ def ragged_paged_attention_tpu(
     soft_cap: float | None = None,
     block_q: int | None = None,
     pages_per_block: int | None = None,
+    device_kind: str | None = None,
     interpret=False,
+    num_kv_heads: int | None = None,
 ):
     """Decode (q [S, Hq, D], one token per sequence; query_start_loc unused) or chunked prefill
     (flat q [T, Hq, D]) over a paged KV cache -> [rows, Hq, D] in q's dtype.
 
+    Pages whose last dim is not page_head_dim(D) are padded here, a copy of the whole cache: callers that own
+    the cache store it padded.
     block_q: prefill query tokens per grid step (multiple of 8, 16 for bf16); decode uses 1.
-    pages_per_block: pages per K/V DMA block (default ~128 keys).
+    pages_per_block: pages per K/V DMA block. Both default to the chip's row of tuned_block_sizes.py.
+    device_kind: the chip compiled for (jax.Device.device_kind), which picks that row.
     interpret: False (compile with Mosaic: TPU only), True (TPU interpreter, any backend) or a
       pltpu.InterpretParams (e.g. detect_races=True).
+    num_kv_heads: the model's, where the pages hold more (page_kv_heads); default the pages' own.
     """
+    return _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, None, decode=decode,
+                        scale=scale, soft_cap=soft_cap, block_q=block_q, pages_per_block=pages_per_block,
+                        device_kind=device_kind, interpret=interpret, num_kv_heads=num_kv_heads)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("k_pages", "v_pages"))
+def write_kv_and_attend_tpu(
+    q, k, v, k_pages, v_pages, slot_mapping, block_tables, context_lens, query_start_loc=None, *,
+    decode: bool, scale: float, soft_cap: float | None = None, block_q: int | None = None,
+    pages_per_block: int | None = None, device_kind: str | None = None, interpret=False, num_kv_heads=None,
+):
+    """This step's K/V rows k, v [T, Hkv, D] written into their slots (`slot_mapping` [T]) of the padded pages,
+    then attention as ragged_paged_attention_tpu, in one kernel: -> (out, k_pages, v_pages), the pages updated
+    in place (aliased: no scatter per layer, no copy of the pool). The new rows land before any page is read."""
+    num_kv_heads = k.shape[1]
+    page_shape = (page_kv_heads(num_kv_heads, k_pages.dtype), page_head_dim(k.shape[-1]))
+    if k_pages.shape[2:] != page_shape:
+        raise ValueError(f"pages of {k_pages.shape[2:]} (heads, dim): the fused K/V write needs them padded to "
+                         f"{page_shape} (Kernels.kv_page_dims)")
+    pad = ((0, 0), (0, page_shape[0] - num_kv_heads), (0, page_shape[1] - k.shape[-1]))
+    new_kv = (jnp.pad(k, pad).astype(k_pages.dtype), jnp.pad(v, pad).astype(v_pages.dtype),
+              slot_mapping.astype(jnp.int32))
+    return _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, new_kv, decode=decode,
+                        scale=scale, soft_cap=soft_cap, block_q=block_q, pages_per_block=pages_per_block,
+                        device_kind=device_kind, interpret=interpret, num_kv_heads=num_kv_heads)
+
+
+def _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, new_kv, *, decode, scale,
+                 soft_cap, block_q, pages_per_block, device_kind, interpret, num_kv_heads):
     num_rows, num_q_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
-    block_size, num_kv_heads = paged_cache_dims(q, k_pages, v_pages)
+    _, block_size, page_heads, cache_dim = k_pages.shape
+    num_kv_heads = num_kv_heads or page_heads
+    if k_pages.shape != v_pages.shape or cache_dim < head_dim or page_heads < num_kv_heads:
+        raise ValueError(f"q {q.shape} / k_pages {k_pages.shape} / v_pages {v_pages.shape} mismatch")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads not divisible by {num_kv_heads} KV heads")
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables {block_tables.shape} do not match context_lens "
                          f"{context_lens.shape}")
@@ -272,14 +453,22 @@ def ragged_paged_attention_tpu(
     elif query_start_loc is None or query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"prefill: query_start_loc must be [{num_seqs + 1}], got "
                          f"{None if query_start_loc is None else query_start_loc.shape}")
+    dp = page_head_dim(head_dim)
+    if cache_dim != dp:  # a cache stored at head_dim (tests, tpu_check): padded lanes of zeros
+        if cache_dim != head_dim:
+            raise ValueError(f"pages' last dim {cache_dim} is neither {head_dim} nor {dp}")
+        pad = ((0, 0), (0, 0), (0, 0), (0, dp - cache_dim))
+        k_pages, v_pages = jnp.pad(k_pages, pad), jnp.pad(v_pages, pad)
     group = num_q_heads // num_kv_heads
-    dp = round_up(head_dim, LANES)
+    sizes: ChipBlockSizes = block_sizes_for(device_kind)
     if block_q is None:
-        block_q = default_block_q(group, q.dtype)
+        block_q = default_block_q(group, q.dtype, sizes.prefill_rows)
     if not decode and block_q % sublane_multiple(q.dtype):
         raise ValueError(f"block_q={block_q} must be a multiple of {sublane_multiple(q.dtype)} "
                          f"for {jnp.dtype(q.dtype).name}")
-    pages_per_block = pages_per_block or default_pages_per_block(block_size)
+    table_width = block_tables.shape[1]
+    pages_per_block = pages_per_block or default_pages_per_block(block_size, page_heads, dp, k_pages.dtype,
+                                                                 sizes.kv_block_bytes, table_width)
     num_blocks = pl.cdiv(num_rows, block_q)
 
     # q -> [Hkv, group, tokens, Dp] (prefill) or [S, Hkv, group, 1, Dp] (decode): a head's rows
@@ -295,37 +484,58 @@ def ragged_paged_attention_tpu(
 
     rows = group * block_q
     scratch = [
-        pltpu.VMEM((NUM_BUFFERS, pages_per_block, block_size, num_kv_heads, dp), k_pages.dtype),
-        pltpu.VMEM((NUM_BUFFERS, pages_per_block, block_size, num_kv_heads, dp), v_pages.dtype),
-        pltpu.SemaphoreType.DMA((2, NUM_BUFFERS)),
+        pltpu.VMEM((NUM_BUFFERS, pages_per_block, block_size, page_heads, dp), k_pages.dtype),
+        pltpu.VMEM((NUM_BUFFERS, pages_per_block, block_size, page_heads, dp), v_pages.dtype),
+        pltpu.SemaphoreType.DMA((3, NUM_BUFFERS)),
+        pltpu.SMEM((1,), jnp.int32),
         pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),
         pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),
         pltpu.VMEM((num_kv_heads, rows, dp), jnp.float32),
     ]
-    prefetch = (block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
-                query_start_loc.astype(jnp.int32),
-                block_sequences(query_start_loc, num_blocks, block_q))
-    kernel = functools.partial(_ragged_kernel, head_dim=head_dim, scale=float(scale),
-                               soft_cap=None if soft_cap is None else float(soft_cap))
-    out = pl.pallas_call(
+    prefetch = [block_tables.astype(jnp.int32).reshape(-1), context_lens.astype(jnp.int32),
+                query_start_loc.astype(jnp.int32), block_sequences(query_start_loc, num_blocks, block_q)]
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    # Under shard_map (tensor parallel) the output varies over the mesh axes q does.
+    out_shape = [jax.ShapeDtypeStruct(q_in.shape, q.dtype,
+                                      manual_axis_type=getattr(jax.typeof(q_in), "manual_axis_type", None))]
+    in_specs, out_specs, inputs, aliases = [q_spec, hbm, hbm], [q_spec], [q_in, k_pages, v_pages], {}
+    if new_kv is not None:
+        new_k, new_v, slots = new_kv
+        prefetch.append(slots)
+        in_specs += [hbm, hbm]
+        inputs += [new_k, new_v]
+        out_specs += [hbm, hbm]
+        out_shape += [jax.ShapeDtypeStruct(p.shape, p.dtype,
+                                           manual_axis_type=getattr(jax.typeof(p), "manual_axis_type", None))
+                      for p in (k_pages, v_pages)]
+        aliases = {len(prefetch) + 1: 1, len(prefetch) + 2: 2}  # k_pages -> k_out, v_pages -> v_out
+    kernel = functools.partial(_ragged_kernel, table_width=table_width, scale=float(scale),
+                               soft_cap=None if soft_cap is None else float(soft_cap), write_kv=new_kv is not None)
+    outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
             grid=(num_blocks,),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY),
-                      pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=q_spec,
+            in_specs=in_specs,
+            out_specs=out_specs,
             scratch_shapes=scratch,
         ),
-        out_shape=jax.ShapeDtypeStruct(q_in.shape, q.dtype),
-        # Query blocks are independent (each starts its own copies): megacore may split them.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        # Sequential: each program starts the next one's first K/V copies.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                             vmem_limit_bytes=sizes.vmem_limit_bytes),
+        cost_estimate=_cost(num_rows, num_q_heads, head_dim, num_seqs, table_width, block_size, page_heads,
+                            dp, jnp.dtype(k_pages.dtype).itemsize, num_blocks, decode,
+                            0 if new_kv is None else new_kv[2].shape[0]),
         interpret=interpret_params(interpret),
-        name=f"ferry_ragged_paged_g{group}_d{head_dim}_bs{block_size}_q{block_q}",
-    )(*prefetch, q_in, k_pages, v_pages)
+        name=f"ferry_ragged_paged_g{group}_d{head_dim}_bs{block_size}_q{block_q}{'_kvw' if new_kv else ''}",
+    )(*prefetch, *inputs)
 
+    out = outs[0]
     if decode:
         out = out[:, :, :, 0, :]
     else:
         out = out.transpose(2, 0, 1, 3)
-    return out.reshape(-1, num_q_heads, dp)[:num_rows, :, :head_dim]
+    out = out.reshape(-1, num_q_heads, dp)[:num_rows, :, :head_dim]
+    return out if new_kv is None else (out, outs[1], outs[2])

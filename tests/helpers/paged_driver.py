@@ -31,8 +31,9 @@ def paged_greedy(loaded, prompts, num_new, *, block_size=8, split=None, attentio
     kernels = Kernels.for_platform(jax.default_backend(), loaded.dtype, kv_dtype or loaded.dtype, attention_impl)
     max_len = max(len(p) for p in prompts) + num_new
     per_seq = -(-max_len // block_size)
-    cache = init_kv_cache(cfg.num_layers, 1 + per_seq * len(prompts), block_size, cfg.num_kv_heads,
-                          cfg.head_dim, kv_dtype or loaded.dtype)
+    cache = init_kv_cache(cfg.num_layers, 1 + per_seq * len(prompts), block_size,
+                          *kernels.kv_page_dims(cfg.num_kv_heads, cfg.head_dim, kv_dtype or loaded.dtype),
+                          kv_dtype or loaded.dtype)
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(prompts))]
     rng = np.random.default_rng(0)
     for t in tables:  # pages need not be contiguous or ordered

@@ -123,6 +123,7 @@ def _model_form(form, cfg, dtype, seed):
 @pytest.mark.parametrize("form,dtype,impl", [
     ("scanned", jnp.float32, "reference"), ("packed", jnp.float32, "native"), ("packed", jnp.bfloat16, "native"),
     ("unrolled", jnp.float32, "native"), ("scanned", jnp.float32, "pallas_interpret"),
+    ("scanned", jnp.float32, "pallas_tpu_interpret"),  # the TPU kernel writes the K/V rows itself
 ])
 def test_last_layer_runs_the_logits_rows_alone(form, dtype, impl):
     """A step taking one logits row per sequence (the engine's prefill and mixed steps) runs its last layer
@@ -137,15 +138,15 @@ def test_last_layer_runs_the_logits_rows_alone(form, dtype, impl):
     seqs = [SeqSlice(tokens(1), 9, [4, 11, 6]),          # a decode row after 9 cached tokens
             SeqSlice(tokens(7), 0, [2, 8]),              # a prompt's first chunk (not its last)
             SeqSlice(tokens(6), 5, [13, 1, 7])]          # a prompt's second chunk, after 5 cached tokens
-    shape = (CFG.num_layers, 16, BLOCK, CFG.num_kv_heads, CFG.head_dim)
+    kernels = Kernels.for_platform("cpu", dtype, dtype, impl)
+    shape = (CFG.num_layers, 16, BLOCK, *kernels.kv_page_dims(CFG.num_kv_heads, CFG.head_dim, dtype))
     earlier = [rng.normal(size=shape).astype(np.float32) for _ in range(2)]
     last_rows = np.cumsum([len(s.token_ids) for s in seqs]) - 1
 
     def run(layout, all_logits):
         cache = tuple(jnp.asarray(pages, dtype) for pages in earlier)
         buf = pack(seqs, layout, BLOCK, all_logits=all_logits)
-        logits, cache = model_step(model.graphdef, model.state, cache, buf, layout,
-                                   Kernels.for_platform("cpu", dtype, dtype, impl))
+        logits, cache = model_step(model.graphdef, model.state, cache, buf, layout, kernels)
         return np.asarray(logits, np.float32), [np.asarray(pages.astype(jnp.float32)) for pages in cache]
 
     got, got_cache = run(StepLayout(16, 4, 3, 4, decode=False), all_logits=False)
@@ -154,3 +155,18 @@ def test_last_layer_runs_the_logits_rows_alone(form, dtype, impl):
     assert rel_err(got[:len(seqs)], want[last_rows]) < (1e-5 if dtype == jnp.float32 else 2e-2)
     for a, b in zip(got_cache, want_cache):  # but the null block, where padding rows write what they hold
         np.testing.assert_array_equal(a[:, 1:], b[:, 1:])
+
+
+@pytest.mark.parametrize("platform,barriers", [("cpu", 1), ("tpu", 0), ("gpu", 0)])
+def test_layer_weights_copied_only_on_the_cpu(platform, barriers):
+    """The scanned layers' parameters pass an optimization barrier on the CPU only (there it keeps XLA CPU's dots
+    library calls). On an accelerator the barrier would copy every layer's weights out of the stack each step,
+    where the dots read them in place; scripts/aot_compile.py shows it in a TPU decode step's temporaries."""
+    model = random_model(CFG, jnp.float32, seed=0)
+    layout = StepLayout(4, 4, 3, 4, decode=True)
+    seqs = [SeqSlice([5], 3, [1, 2, 3])]
+    cache = init_kv_cache(CFG.num_layers, 8, BLOCK, CFG.num_kv_heads, CFG.head_dim, jnp.float32)
+    kernels = Kernels(platform, "reference", native=False)
+    jaxpr = jax.make_jaxpr(lambda state, cache, buf: model_step(model.graphdef, state, cache, buf, layout, kernels))(
+        model.state, cache, pack(seqs, layout, BLOCK))
+    assert str(jaxpr).count("optimization_barrier") == barriers

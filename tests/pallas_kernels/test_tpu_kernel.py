@@ -31,12 +31,19 @@ from helpers.attention_cases import (
     check_prefill,
     decode_inputs,
     prefill_batch,
+    prefill_inputs,
 )
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.lowering import MODEL_HEAD_SHAPES, TPU_CALL_TARGET, export_for
-from pallas_kernels.reference import paged_decode_attention_ref
+from pallas_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 from pallas_kernels.tpu import ragged_paged_attention as tpu_attention
-from pallas_kernels.tpu.ragged_paged_attention import ragged_paged_attention_tpu, sublane_multiple
+from pallas_kernels.tpu.ragged_paged_attention import (
+    check_smem,
+    page_head_dim,
+    ragged_paged_attention_tpu,
+    sublane_multiple,
+    write_kv_and_attend_tpu,
+)
 
 DEADLOCK_TIMEOUT_S = 300
 
@@ -150,6 +157,65 @@ def test_single_buffering_is_caught(seed, monkeypatch):
     out = np.asarray(ragged_paged_attention_tpu(q, k, v, tables, lens, decode=True, scale=0.1,
                                                 pages_per_block=1, interpret=True))
     assert not np.allclose(out, np.asarray(ref), atol=1e-3, equal_nan=False), f"seed={seed}"
+
+
+def _new_rows_slots(tables, lens, qsl, block_size):
+    """The cache slot of every query row's own token (a chunk's rows are its sequence's last tokens); rows past
+    qsl[-1] (padding) go to the null block's slot 0."""
+    tables, lens, qsl = np.asarray(tables), np.asarray(lens), np.asarray(qsl)
+    slots = []
+    for s in range(len(lens)):
+        for pos in range(lens[s] - (qsl[s + 1] - qsl[s]), lens[s]):
+            slots.append(tables[s, pos // block_size] * block_size + pos % block_size)
+    return np.asarray(slots, np.int32)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_write_kv_and_attend(seed, decode):
+    """The fused kernel writes this step's K/V rows into their slots (the padded pages otherwise unchanged, the
+    padding lanes zero) and attends over them: the same pages as the XLA scatter, the same output as the
+    reference over those pages. Head_dim 80: the pages carry 48 padding lanes."""
+    rng = np.random.default_rng(seed)
+    hq, hkv, d, bs, dtype = 4, 2, 80, 8, jnp.float32
+    if decode:
+        q, k, v, tables, lens = decode_inputs(rng, [1, bs, 2 * bs + 3, 5], num_q_heads=hq, num_kv_heads=hkv,
+                                              head_dim=d, block_size=bs, dtype=dtype)
+        qsl = jnp.arange(len(lens) + 1, dtype=jnp.int32)
+        num_padding = 0
+    else:
+        prefixes, chunks = zip(*prefill_batch(bs))
+        num_padding = 3
+        q, k, v, tables, lens, qsl = prefill_inputs(rng, prefixes, chunks, num_padding=num_padding,
+                                                    num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                                                    dtype=dtype)
+    slots = np.concatenate([_new_rows_slots(tables, lens, qsl, bs), np.zeros(num_padding, np.int32)])
+    new_k = jnp.asarray(rng.standard_normal((len(slots), hkv, d)), dtype)
+    new_v = jnp.asarray(rng.standard_normal((len(slots), hkv, d)), dtype)
+    flat = lambda pages, new: pages.reshape(-1, hkv, d).at[slots].set(new).reshape(pages.shape)  # noqa: E731
+    k_ref, v_ref = flat(k, new_k), flat(v, new_v)
+    if decode:
+        ref = paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, scale=d ** -0.5)
+    else:
+        ref = paged_prefill_attention_ref(q, k_ref, v_ref, tables, lens, qsl, scale=d ** -0.5)
+    pad = ((0, 0), (0, 0), (0, 0), (0, page_head_dim(d) - d))
+    out, k_out, v_out = write_kv_and_attend_tpu(
+        q, new_k, new_v, jnp.pad(k, pad), jnp.pad(v, pad), jnp.asarray(slots), tables, lens,
+        None if decode else qsl, decode=decode, scale=d ** -0.5, pages_per_block=2,
+        block_q=None if decode else sublane_multiple(dtype), interpret=True)
+    check_close(out, ref, dtype, seed, "fused K/V write + attention")
+    if num_padding:
+        assert_zero_rows(out, slice(-num_padding, None), "padding rows", seed)
+    for got, want in ((k_out, k_ref), (v_out, v_ref)):
+        # NaN where no sequence owns a slot: equal as arrays (NaN == NaN here), padding lanes still zero. Not the
+        # null block: the padding rows all write its slot 0, in an order the scatter leaves undefined.
+        np.testing.assert_array_equal(np.asarray(got)[1:, ..., :d], np.asarray(want)[1:], err_msg=f"seed={seed}")
+        assert (np.asarray(got)[..., d:] == 0).all(), f"padding lanes written seed={seed}"
+
+
+def test_smem_limit_names_the_flags():
+    check_smem(64, 512, 512)  # 64 sequences of 8k tokens at page 16: fits
+    with pytest.raises(ValueError, match="--max_model_len.*--block_size"):
+        check_smem(64, 8192, 512)  # 128k tokens at page 16: 2 MiB of block tables
 
 
 def test_bad_block_q_names_the_field():

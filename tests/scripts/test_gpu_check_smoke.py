@@ -36,3 +36,20 @@ def test_device_check_smoke(tmp_path, script):
     assert len(result["cases"]) == 3
     for case in result["cases"]:
         assert case["ok"] and case["kernel_ms"] > 0 and case["bytes_read"] > 0
+
+
+def test_tpu_check_times_a_decode_step(tmp_path):
+    """tpu_check.py --model: the engine's decode step of a model's shapes, timed beside its roofline (here through
+    the TPU kernel in the interpreter)."""
+    from scripts.test_aot_compile import write_config  # noqa: PLC0415
+
+    model = write_config(tmp_path / "tiny", 4, 2, 32, layers=2, intermediate=128, vocab=256)
+    json_out = tmp_path / "check.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "tpu_check.py"), "--smoke", f"--model={model}",
+         "--max_num_seqs=4", "--max_model_len=64", "--json_out", str(json_out)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "decode step, llama 2 layers, 4 x 64 tokens (pallas_tpu_interpret)" in proc.stdout, proc.stdout
+    step = json.loads(json_out.read_text())["decode_step"]
+    assert step["step_ms"] > 0 and step["roofline_ms"] > 0 and step["ideal_bytes"] > 0, step
