@@ -102,7 +102,7 @@ def test_decode_reads_weights_in_place(tmp_path):
 def test_smem_overflow_names_the_flags(tmp_path):
     model = write_config(tmp_path / "m", 8, 2, 128)
     proc, report = aot_compile(model, tmp_path, "--topology=v6e:1x1", "--programs=largest", "--max_num_seqs=256",
-                               "--max_model_len=4096", "--block_size=8")
+                               "--max_model_len=4096", "--block_size=4")
     assert proc.returncode != 0 and report is None
     assert "SMEM" in proc.stderr and "--block_size" in proc.stderr and "--max_model_len" in proc.stderr, \
         proc.stderr[-2000:]
