@@ -6,6 +6,10 @@ import os
 os.environ["FERRY_COMPILATION_CACHE"] = "0"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# The suite runs on the CPU. Where libtpu is installed (the jax 0.11 environment, for the TPU compile table), jax
+# would otherwise try the TPU backend in this process and hold libtpu's one-process lock for its lifetime, and
+# scripts/aot_compile.py, run as a child, could not load libtpu (tests/scripts/test_aot_compile.py).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA's CPU backend at LLVM -O0: compiling, not running, is most of this suite's time (tiny models, hundreds of
 # programs), and -O0 compiles a step program 2-3x faster. HLO passes, and so each program's ops, shapes,
 # collectives and compile count, are the same; only the machine code is less optimised. Set before jax starts,
