@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 # (k_pages, v_pages), each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]: one array per
-# side for every layer, so the layer loop is a scan and the step donates two buffers, not 2 x layers.
+# side for every layer, so the layer loop is a scan and the step donates two buffers, not 2 x layers. On a TPU
+# the last two dims are padded (pallas_kernels.kernels.Kernels.kv_page_dims).
 KVCache = tuple[jax.Array, jax.Array]
 
 

@@ -67,9 +67,10 @@ def num_blocks_for_memory(cfg, block_size, dtype, memory_fraction: float, cap_bl
 
 
 class KVCacheStore:
-    """The device pages (k and v, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]) and the
-    host copies of swapped-out requests' blocks, by request id. Each step donates `pages` and puts back its
-    output. `buckets`: the padded block counts a swap copy takes (each compiles once)."""
+    """The device pages (k and v, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim], the last two
+    padded on a TPU: Kernels.kv_page_dims) and the host copies of swapped-out requests' blocks, by request id.
+    Each step donates `pages` and puts back its output. `buckets`: the padded block counts a swap copy takes (each
+    compiles once)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh, swap_buckets: tuple[int, ...],
                  native_write: bool, page_dims: tuple[int, int] | None = None):
