@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.native import library
 from pallas_kernels.native.ops import supports as native_supports
+from pallas_kernels.tpu.layout import page_head_dim, page_kv_heads
 
 # Attention implementations (pallas_kernels/attention.py): "reference" (plain jnp), "native" (the C++ CPU kernel),
 # "pallas" (Triton), "pallas_interpret" (the Triton kernels in Pallas interpret mode), "pallas_tpu" (Mosaic),
@@ -19,9 +20,6 @@ ATTENTION_IMPLS = ("reference", "native", "pallas", "pallas_interpret", "pallas_
                    "jax_triton")
 TPU_IMPLS = ("pallas_tpu", "pallas_tpu_interpret")  # the TPU kernel: pages padded to lane tiles, K/V written by it
 PLATFORMS = ("cpu", "gpu", "tpu")
-LANES = 128  # a TPU vreg's lanes
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Kernels:
     platform: str    # "cpu", "gpu" or "tpu": the devices the step runs on
@@ -36,9 +34,7 @@ class Kernels:
         unpacked, and the kernel's custom call would copy the whole pool to repack it). Elsewhere the model's."""
         if self.attention not in TPU_IMPLS:
             return num_kv_heads, head_dim
-        packing = max(1, 4 // jnp.dtype(dtype).itemsize)
-        per_shard = -(-(num_kv_heads // shards) // packing) * packing
-        return shards * per_shard, -(-head_dim // LANES) * LANES
+        return shards * page_kv_heads(num_kv_heads // shards, dtype), page_head_dim(head_dim)
 
     def check_step_limits(self, num_seqs: int, table_width: int, num_tokens: int) -> None:
         """Raise a ValueError naming the flags to change where a step of these shapes cannot run (the TPU

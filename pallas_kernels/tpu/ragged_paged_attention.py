@@ -52,10 +52,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.tpu.layout import LANES, page_head_dim, page_kv_heads, round_up
 from pallas_kernels.tpu.tuned_block_sizes import ChipBlockSizes, block_sizes_for
 from pallas_kernels.triton.common import MASK_VALUE, normalise
 
-LANES = 128  # a TPU vreg is 8 sublanes x 128 lanes
 NUM_BUFFERS = 2  # K/V VMEM buffers: block b is read from b % 2 while b + 1 streams into the other
 # SMEM the scalar-prefetched tables may take: a TPU core has 1 MiB (v4-v6), of which the kernel's tables compiled
 # at 768 KiB and not at 1 MiB (64 sequences x 3,072 / 4,096 pages, v6e).
@@ -65,20 +65,6 @@ SMEM_BUDGET_BYTES = 768 * 1024
 def sublane_multiple(dtype) -> int:
     """Rows a VMEM tile holds for `dtype` (8 for 32-bit, 16 for bf16): block_q is a multiple."""
     return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def page_head_dim(head_dim: int) -> int:
-    """The last dim of the pages this kernel reads: head_dim padded to whole lane tiles."""
-    return round_up(head_dim, LANES)
-
-
-def page_kv_heads(num_kv_heads: int, dtype) -> int:
-    """The KV heads a (per-shard) page holds: rounded up to the dtype's sublane packing (2 for 16-bit types)."""
-    return round_up(num_kv_heads, max(1, 4 // jnp.dtype(dtype).itemsize))
 
 
 def smem_bytes(num_seqs: int, table_width: int, num_q_blocks: int, num_new_rows: int = 0) -> int:
