@@ -8,7 +8,12 @@ Layouts (shared with the Pallas kernels):
   query_start_loc [S + 1] int32  (prefill) sequence s owns query rows [qsl[s], qsl[s+1])
 
 A query's absolute position is context_len - query_len + its index in the chunk; it attends to
-keys at positions <= its own (causal). Rows that attend to nothing (padding) come out as zeros.
+keys at positions <= its own (causal) and, under a sliding window W > 0, to the last W of them (positions
+> its own - W, as transformers masks). Rows that attend to nothing (padding) come out as zeros.
+
+sliding_window: None (no window) or an int32 scalar, a Python int or a traced per-layer value: 0 = no window.
+Block-table entries wholly before a query's window may hold anything (the KV cache manager frees those
+blocks); kernels must not read them.
 Softmax runs in float32; the output has q's dtype.
 """
 
@@ -44,13 +49,23 @@ def _attend(q, k, v, key_mask, scale, soft_cap):
     return out.reshape(q.shape[0], num_q_heads, q.shape[2])
 
 
-def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, context_lens, *, scale, soft_cap=None):
+def in_window(k_pos, q_pos, sliding_window):
+    """Whether keys at k_pos are inside the sliding window of queries at q_pos (broadcast)."""
+    if sliding_window is None:
+        return True
+    w = jnp.asarray(sliding_window, jnp.int32)
+    return (w <= 0) | (k_pos > q_pos - w)
+
+
+def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, context_lens, *, scale, soft_cap=None,
+                               sliding_window=None):
     """One query token per sequence: q [S, Hq, D] -> [S, Hq, D]."""
 
     def one_sequence(q_s, table, ctx_len):
         k = _gather_pages(k_pages, table)
         v = _gather_pages(v_pages, table)
-        key_mask = (jnp.arange(k.shape[0]) < ctx_len)[None, :]
+        k_pos = jnp.arange(k.shape[0])
+        key_mask = ((k_pos < ctx_len) & in_window(k_pos, ctx_len - 1, sliding_window))[None, :]
         return _attend(q_s[None], k, v, key_mask, scale, soft_cap)[0]
 
     out = jax.vmap(one_sequence)(q, block_tables, context_lens)
@@ -58,7 +73,7 @@ def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, context_lens, 
 
 
 def paged_prefill_attention_ref(
-    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale, soft_cap=None
+    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale, soft_cap=None, sliding_window=None
 ):
     """Flat query tokens of several sequences: q [T, Hq, D] -> [T, Hq, D].
 
@@ -79,7 +94,8 @@ def paged_prefill_attention_ref(
         v = _gather_pages(v_pages, table)
         q_pos = ctx_len - q_len + rows  # absolute position of each window row
         k_pos = jnp.arange(k.shape[0])
-        key_mask = (k_pos[None, :] <= q_pos[:, None]) & (rows < q_len)[:, None]
+        key_mask = ((k_pos[None, :] <= q_pos[:, None]) & (rows < q_len)[:, None]
+                    & in_window(k_pos[None, :], q_pos[:, None], sliding_window))
         o = _attend(q_s, k, v, key_mask, scale, soft_cap)
         # Only this sequence's rows: leave rows beyond the chunk as they were.
         current = jax.lax.dynamic_slice_in_dim(out, start, num_tokens)

@@ -148,3 +148,23 @@ def run_poisoned(fn, q, *args, **kwargs):
     out = jax.jit(call, donate_argnums=0, keep_unused=True)(poison, q, *args)
     assert out.unsafe_buffer_pointer() == address, "output did not land in the poisoned buffer"
     return out
+
+
+def drop_blocks_before_window(rng, tables, context_lens, query_lens, window: int, block_size: int):
+    """Block tables as the KV cache manager leaves them under a sliding window: the entries of blocks wholly
+    before every query's window (its first query at context_len - query_len sees keys > that - window) hold
+    garbage: the null block or ids far out of range. A kernel that reads them reads NaN or faults."""
+    tables = np.array(tables)
+    for s, (ctx, q_len) in enumerate(zip(np.asarray(context_lens), np.asarray(query_lens))):
+        first_kept = max(int(ctx) - int(q_len) - window + 1, 0) // block_size
+        tables[s, :first_kept] = rng.choice(np.array([0, 2**30, tables.shape[1] + 10**6], np.int64),
+                                            first_kept).astype(np.int32)
+    return jnp.asarray(tables)
+
+
+# (window, prefixes, chunks): sliding-window prefill cases, chunks that cross the window, start past it, or sit
+# in it entirely; the window not a multiple of the block size.
+WINDOW_PREFILLS = [
+    (5, (0, 30, 17, 3), (13, 4, 1, 2)),
+    (16, (40, 0, 9), (25, 7, 30)),
+]
