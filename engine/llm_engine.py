@@ -34,6 +34,7 @@ from engine.worker.model_runner import AsyncModelRunnerOutput, DeviceStateLost, 
 from engine.worker.multihost import agree_min
 from models.loading import LoadedModel, load_model, unstack_layers
 from models.mesh import engine_devices, loading_device, make_mesh
+from models.paged import kv_cache_groups
 from models.sharding import shard_model
 from models.tokenizers.load import load_tokenizer
 from models.tokenizers.tokenizer import Tokenizer
@@ -132,10 +133,11 @@ class LLMEngine:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        kv_groups = kv_cache_groups(model.cfg)
         page_dims = kernels.kv_page_dims(model.cfg.num_kv_heads, model.cfg.head_dim, kv_dtype, mesh.size)
         num_blocks = config.num_blocks or num_blocks_for_memory(
             model.cfg, config.block_size, kv_dtype, config.memory_fraction,
-            cap_blocks=1 + config.max_num_seqs * math.ceil(max_model_len / config.block_size),
+            cap_blocks=1 + config.max_num_seqs * math.ceil(max_model_len / config.block_size) * kv_groups.num_groups,
             cpu_budget_bytes=int(config.cpu_kv_cache_gib * 2**30), devices=list(mesh.devices.flat),
             page_dims=page_dims)
         if jax.process_count() > 1:  # multi-host: every process must allocate the same cache
@@ -146,7 +148,7 @@ class LLMEngine:
             max_num_batched_tokens=max_tokens, max_model_len=max_model_len, chunk_size=config.chunk_size,
             watermark_blocks=config.watermark_blocks, preemption_mode=config.preemption_mode,
             num_host_blocks=num_blocks if config.num_host_blocks is None else config.num_host_blocks,
-            enable_prefix_caching=config.enable_prefix_caching))
+            enable_prefix_caching=config.enable_prefix_caching, group_windows=kv_groups.windows))
         self.runner = ModelRunner(
             model, kernels=kernels, num_blocks=num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_tokens, max_model_len=max_model_len,

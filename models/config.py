@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class ConfigError(ValueError):
@@ -40,9 +41,19 @@ class ModelConfig:
     norm_offset: float = 0.0        # Gemma: RMSNorm multiplies by (1 + w)
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    sliding_window: int | None = None  # the window of the layers whose type is "sliding_attention"
+    layer_types: tuple[str, ...] = ()  # per layer, LAYER_TYPES; () = every layer full attention
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: full attention): the keys a query at position p sees are those
+        after p - window."""
+        if not self.layer_types:
+            return (0,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in self.layer_types)
 
     @property
     def query_scale(self) -> float:
@@ -83,6 +94,7 @@ class ModelConfig:
         d = dict(d)
         d["rope_scaling"] = _freeze(d.get("rope_scaling"))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        d["layer_types"] = tuple(d.get("layer_types") or ())
         return cls(**d)
 
 
@@ -133,6 +145,7 @@ def from_hf_config(hf: dict, source: str = "config.json", generation: dict | Non
     if not gemma and act not in ("silu", "swish"):
         raise ConfigError(f"{source}: hidden_act {act!r} is not supported for {model_type}")
 
+    sliding_window, layer_types = _attention_layout(hf, model_type, source)
     cfg = ModelConfig(
         model_type=model_type,
         vocab_size=int(need("vocab_size")),
@@ -159,6 +172,8 @@ def from_hf_config(hf: dict, source: str = "config.json", generation: dict | Non
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos,
         pad_token_id=hf.get("pad_token_id"),
+        sliding_window=sliding_window,
+        layer_types=layer_types,
     )
     if cfg.num_heads % cfg.num_kv_heads:
         raise ConfigError(f"{source}: num_attention_heads {cfg.num_heads} is not a multiple of "
@@ -167,14 +182,31 @@ def from_hf_config(hf: dict, source: str = "config.json", generation: dict | Non
     return cfg
 
 
-def max_context_len(hf: dict, cfg: ModelConfig) -> int:
-    """The longest context Ferry serves exactly: sliding-window attention is not implemented, so a
-    window shorter than max_position_embeddings caps the context at the window (as vLLM once did)."""
+def _attention_layout(hf: dict, model_type: str, source: str) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) as transformers reads them: `layer_types` where the config has it, else
+    each family's rule (Mistral: every layer under `sliding_window`; Qwen2: `use_sliding_window` from layer
+    `max_window_layers` on). A window of None, or one not shorter than max_position_embeddings, is no window."""
+    num_layers = int(hf.get("num_hidden_layers", 0))
     window = hf.get("sliding_window")
-    uses_window = window and hf.get("use_sliding_window", True)
-    if uses_window and int(window) < cfg.max_position_embeddings:
-        return int(window)
-    return cfg.max_position_embeddings
+    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        window = None
+    types = hf.get("layer_types")
+    if types is None:
+        if model_type == "qwen2":
+            first = int(hf.get("max_window_layers", num_layers))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        else:
+            types = ["sliding_attention"] * num_layers
+    types = tuple(types)
+    bad = sorted(set(types) - set(LAYER_TYPES))
+    if bad or len(types) != num_layers:
+        raise ConfigError(f"{source}: layer_types must list one of {LAYER_TYPES} for each of the "
+                          f"{num_layers} layers (got {len(types)}; unknown: {bad})")
+    if window is not None and (not isinstance(window, int) or window <= 0):
+        raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
+    if window is None or "sliding_attention" not in types or window >= int(hf.get("max_position_embeddings", 2048)):
+        return None, ()
+    return window, types
 
 
 def read_json(path: str) -> dict:

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from models.mesh import HEADS_SPEC, KV_POOL_SPEC, MODEL_AXIS, fused_groups, model_axis_size, split_columns
-from models.paged import AttentionMetadata, KVCache, layer_pool
+from models.paged import AttentionMetadata, KVCache, kv_cache_groups, layer_pool
 from pallas_kernels import ops
 from pallas_kernels.attention import write_kv_and_attend
 from pallas_kernels.kernels import Kernels
@@ -233,7 +233,7 @@ def _write_and_attend(q, k, v, kv, md: AttentionMetadata, *, cfg: ModelConfig, k
     """This step's k/v [T, Hkv, D] into the pages, then q [T, Hq, D] attends through them."""
     out, k_pages, v_pages = write_kv_and_attend(
         q, k, v, *kv, md.slot_mapping, md.block_tables, md.context_lens, md.query_start_loc, decode=md.decode,
-        scale=cfg.query_scale, kernels=kernels, soft_cap=cfg.attn_logit_softcap)
+        scale=cfg.query_scale, kernels=kernels, soft_cap=cfg.attn_logit_softcap, sliding_window=md.sliding_window)
     return out, (k_pages, v_pages)
 
 
@@ -322,11 +322,12 @@ class Transformer(nnx.Module):
         cos, sin = rope_cos_sin(jnp.asarray(cfg.rope_inv_freq()), positions, x.dtype)
         k_pages, v_pages = kv_cache
         num_blocks, block_size = k_pages.shape[1:3]
+        groups = kv_cache_groups(cfg)
 
         def layer_step(layer, carry, ctx, kept=None):
             x, k_pool, v_pool = carry
             x, (k_pool, v_pool) = layer(x, cos, sin, (k_pool, v_pool),
-                                        md.for_layer(ctx.layer, num_blocks, block_size), ctx, kept)
+                                        md.for_layer(ctx.layer, num_blocks, block_size, groups), ctx, kept)
             return x, k_pool, v_pool
 
         # The real token rows and logits rows: a bucketed step's padding comes after them (its sequences start

@@ -50,7 +50,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start
     if impl == "reference":
         if decode:
             return reference.paged_decode_attention_ref(
-                q, k_pages, v_pages, block_tables, context_lens, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+                q, k_pages, v_pages, block_tables, context_lens, scale=scale, soft_cap=soft_cap,
+                sliding_window=sliding_window)
         return reference.paged_prefill_attention_ref(
             q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
             scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)

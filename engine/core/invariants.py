@@ -29,7 +29,8 @@ def check_scheduler(scheduler) -> None:
                    f"{r.request_id}: num_tokens {r.num_tokens} is not prompt + outputs (append_output bypassed?)")
             expected = scheduler.kv.blocks_for(r.prefill_target + (r in in_flight))
             if status is RequestStatus.RUNNING:
-                ahead_slot = scheduler._last_plan_ahead and r.is_finished and len(r.block_ids) == expected + 1
+                ahead_slot = (scheduler._last_plan_ahead and r.is_finished
+                              and len(r.block_ids) == expected + scheduler.kv.num_groups)
                 check((len(r.block_ids) == expected or ahead_slot) and not r.host_block_ids,
                        f"{r.request_id}: {len(r.block_ids)} device blocks, expected {expected}")
             elif status is RequestStatus.SWAPPED:  # a swapped request keeps its shared head on the device

@@ -10,6 +10,13 @@ Prefix caching (vLLM v1's automatic prefix caching, SGLang's RadixAttention as a
     rest, capped so at least the last token of the prefill target is computed (it yields the logits);
   - freed blocks keep their hash and K/V until their space is needed (block_pool.BlockPool: never-cached
     free blocks go first, then cached ones least recently freed first; sequences free tail first).
+
+KV cache groups (models/paged.KVCacheGroups): a model whose layers mix full and sliding-window attention has G
+groups, and a request holds G block ids per logical block, group-minor in one list (entry i * G + g), so every
+count here is of block ids. A sliding group's blocks wholly behind the window of the request's next query are
+freed as it advances (free_behind_window) and their entries become the null block: a long sequence holds its
+context on the full-attention groups and about a window on the sliding ones. A prefix-cache hit needs the
+logical block cached in every group (each group's copy under its own key).
 """
 
 import hashlib
@@ -17,11 +24,12 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.core.block_pool import BlockPool, HostBlockPool
+from engine.core.block_pool import NULL_BLOCK, BlockPool, HostBlockPool
 from engine.core.invariants import check
 from engine.core.request import Request, RequestStatus
 
 ROOT_HASH = bytes(32)  # the parent of a sequence's first block
+NO_HOST_BLOCK = -1     # a swapped request's host entry for a block it had freed (behind a window): nothing copied
 
 
 def cdiv(a: int, b: int) -> int:
@@ -54,15 +62,24 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 group_windows: tuple[int, ...] = (0,)):
+        """`group_windows`: each KV cache group's sliding window (0: full attention), KVCacheGroups.windows."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_groups = len(group_windows)
+        self.sliding_groups = tuple(g for g, w in enumerate(group_windows) if w)
+        if len({group_windows[g] for g in self.sliding_groups}) > 1:
+            raise ValueError(f"KV cache groups with different sliding windows {group_windows} are not supported")
+        self.window = group_windows[self.sliding_groups[0]] if self.sliding_groups else 0
         self.device_pool = BlockPool(num_blocks)
         self.host_pool = HostBlockPool(num_host_blocks)
         self.prefix_stats = PrefixCacheStats()
         # request id -> how many of its leading blocks were published (or were hits): only blocks past
         # it are hashed and published when its computed tokens grow
         self._num_published: dict[str, int] = {}
+        # request id -> its leading logical blocks whose sliding-group entries were freed (free_behind_window)
+        self._num_behind_window: dict[str, int] = {}
 
     # -------------------------------------------------------------- sizes
 
@@ -76,10 +93,11 @@ class KVCacheManager:
         return self.device_pool.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
+        """Block ids (a logical block's in every group) holding num_tokens."""
+        return cdiv(num_tokens, self.block_size) * self.num_groups
 
     def num_blocks(self, request: Request) -> int:
-        """Blocks the request holds: on the device, plus on the host while swapped."""
+        """Block entries the request holds: on the device, plus on the host while swapped (freed ones count)."""
         return len(request.block_ids) + len(request.host_block_ids)
 
     def needs_decode_slot(self, request: Request) -> bool:
@@ -89,9 +107,11 @@ class KVCacheManager:
     def decode_slot_takers(self, decoders: list[Request], ahead: int = 0) -> list[Request]:
         """needs_decode_slot over running decoders (known past their prefill, no host blocks): the scheduler's
         per-step pass over the whole batch, so one comparison each. `ahead`: tokens each has in flight, not yet
-        counted in num_tokens (async scheduling), whose slots come first."""
-        bs = self.block_size
-        return [r for r in decoders if len(r.block_ids) * bs < r.num_tokens + ahead]
+        counted in num_tokens (async scheduling), whose slots come first. Each takes num_groups blocks."""
+        bs, groups = self.block_size, self.num_groups
+        if groups == 1:
+            return [r for r in decoders if len(r.block_ids) * bs < r.num_tokens + ahead]
+        return [r for r in decoders if len(r.block_ids) * bs < (r.num_tokens + ahead) * groups]
 
     # -------------------------------------------------------------- admission
 
@@ -103,18 +123,24 @@ class KVCacheManager:
             return []
         hits = []
         for block_hash in self._block_hashes(request, (request.prefill_target - 1) // self.block_size):
-            block_id = self.device_pool.cached_block(block_hash)
-            if block_id is None:
+            block_ids = [self.device_pool.cached_block(self._group_key(block_hash, g)) for g in range(self.num_groups)]
+            if None in block_ids:
                 break
-            hits.append(block_id)
+            hits += block_ids
         return hits
+
+    @staticmethod
+    def _group_key(block_hash: bytes, group: int) -> bytes:
+        """The prefix cache's key of a logical block's copy in `group` (group 0's is the block hash)."""
+        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
     def admission_cost(self, request: Request, hits: list[int]) -> int:
         """Free blocks that admitting `request` with these hits consumes: a swapped request's host blocks
         (and its decode slot), else the blocks for the rest of its prefill target; plus every hit on a free
         (evictable) cached block, which leaves the free count. A hit on a held block costs nothing."""
         if request.status is RequestStatus.SWAPPED:
-            return len(request.host_block_ids) + self.needs_decode_slot(request)
+            return (sum(h != NO_HOST_BLOCK for h in request.host_block_ids)
+                    + self.needs_decode_slot(request) * self.num_groups)
         new = self.blocks_for(request.prefill_target) - len(request.block_ids) - len(hits)
         return new + sum(self.device_pool.ref_count(b) == 0 for b in hits)
 
@@ -124,12 +150,13 @@ class KVCacheManager:
             raise ValueError(f"request {request.request_id!r}: only a waiting request without blocks takes hits")
         self.device_pool.touch(hits)
         request.block_ids = list(hits)
-        request.num_computed_tokens = len(hits) * self.block_size
-        self._num_published[request.request_id] = len(hits)
+        request.num_computed_tokens = len(hits) // self.num_groups * self.block_size
+        self._num_published[request.request_id] = len(hits) // self.num_groups
         if self.enable_prefix_caching:
             self.prefix_stats.requests += 1
             self.prefix_stats.queries += request.prefill_target
             self.prefix_stats.hits += request.num_computed_tokens
+        self.free_behind_window(request)
 
     def allocate_prefill(self, request: Request) -> list[int] | None:
         """New blocks up to the request's whole prefill target, appended to its blocks; None (nothing
@@ -137,12 +164,18 @@ class KVCacheManager:
         return self._allocate(request, self.blocks_for(request.prefill_target) - len(request.block_ids))
 
     def allocate_decode_slots(self, decoders: list[Request]) -> bool:
-        """One block each for running decoders whose next position starts one (decode_slot_takers), taken in
-        one pool call; False (nothing changed) when they don't all fit."""
-        if len(decoders) > self.device_pool.num_free:
+        """A logical block each (num_groups ids) for running decoders whose next position starts one
+        (decode_slot_takers), taken in one pool call; False (nothing changed) when they don't all fit."""
+        groups = self.num_groups
+        if len(decoders) * groups > self.device_pool.num_free:
             return False
-        for request, block_id in zip(decoders, self.device_pool.allocate(len(decoders))):
-            request.block_ids.append(block_id)
+        new = self.device_pool.allocate(len(decoders) * groups)
+        if groups == 1:
+            for request, block_id in zip(decoders, new):
+                request.block_ids.append(block_id)
+        else:
+            for i, request in enumerate(decoders):
+                request.block_ids += new[i * groups:(i + 1) * groups]
         return True
 
     def _allocate(self, request: Request, n: int) -> list[int] | None:
@@ -164,10 +197,31 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release all of a request's device and host blocks, tail first (so the cache evicts a sequence's
         tail before its head)."""
-        self.device_pool.free(request.block_ids[::-1])
-        self.host_pool.free(request.host_block_ids)
+        self.device_pool.free([b for b in reversed(request.block_ids) if b != NULL_BLOCK])
+        self.host_pool.free([h for h in request.host_block_ids if h != NO_HOST_BLOCK])
         self._num_published.pop(request.request_id, None)
+        self._num_behind_window.pop(request.request_id, None)
         request.block_ids, request.host_block_ids = [], []
+
+    def free_behind_window(self, request: Request) -> None:
+        """Free the request's sliding-group blocks wholly behind the window of its next query (position
+        num_computed_tokens, which sees keys after it - window): no step reads them again. Their entries become
+        the null block; a published one stays in the prefix cache until its space is needed."""
+        if not self.sliding_groups:
+            return
+        rid, groups = request.request_id, self.num_groups
+        behind = (request.num_computed_tokens - self.window + 1) // self.block_size
+        done = self._num_behind_window.get(rid, 0)
+        if behind <= done:
+            return
+        ids, freed = request.block_ids, []
+        for i in range(done, min(behind, len(ids) // groups)):
+            for g in self.sliding_groups:
+                if ids[i * groups + g] != NULL_BLOCK:
+                    freed.append(ids[i * groups + g])
+                    ids[i * groups + g] = NULL_BLOCK
+        self.device_pool.free(freed)
+        self._num_behind_window[rid] = behind
 
     def release_host_blocks(self, host_block_ids: list[int]) -> None:
         """Host blocks a swap-in has read (released once no same-step swap-out can be given them)."""
@@ -184,24 +238,30 @@ class KVCacheManager:
         keep = 0
         while keep < len(request.block_ids) and self.device_pool.ref_count(request.block_ids[keep]) > 1:
             keep += 1
-        moved = request.block_ids[keep:]
+        entries = request.block_ids[keep:]
+        moved = [b for b in entries if b != NULL_BLOCK]  # a freed (behind-window) entry has nothing to copy
         if len(moved) > self.host_pool.num_free:
             return None
         host_ids = self.host_pool.allocate(len(moved))
         self.device_pool.free(moved[::-1])
-        request.block_ids, request.host_block_ids = request.block_ids[:keep], host_ids
+        request.block_ids = request.block_ids[:keep]
+        host = iter(host_ids)
+        request.host_block_ids = [NO_HOST_BLOCK if b == NULL_BLOCK else next(host) for b in entries]
         rid = request.request_id
-        self._num_published[rid] = min(self._num_published.get(rid, 0), keep)
+        self._num_published[rid] = min(self._num_published.get(rid, 0), keep // self.num_groups)
         return moved, host_ids
 
     def swap_in(self, request: Request) -> tuple[list[int], list[int]] | None:
         """Plan bringing a swapped request's host blocks back: (host ids, device ids) to copy, or None
         (nothing changed) when the device is short. The host blocks stay allocated: the caller releases
         them with release_host_blocks once the step's swap-outs were planned."""
-        host_ids = request.host_block_ids
-        device_ids = self._allocate(request, len(host_ids))
-        if device_ids is None:
+        entries = request.host_block_ids
+        host_ids = [h for h in entries if h != NO_HOST_BLOCK]
+        if len(host_ids) > self.device_pool.num_free:
             return None
+        device_ids = self.device_pool.allocate(len(host_ids))
+        device = iter(device_ids)
+        request.block_ids += [NULL_BLOCK if h == NO_HOST_BLOCK else next(device) for h in entries]
         request.host_block_ids = []
         return host_ids, device_ids
 
@@ -216,9 +276,11 @@ class KVCacheManager:
         done, full = self._num_published.get(rid, 0), request.num_computed_tokens // self.block_size
         if full <= done:
             return
-        hashes = self._block_hashes(request, full)
+        hashes, groups, ids = self._block_hashes(request, full), self.num_groups, request.block_ids
         for i in range(done, full):
-            self.device_pool.cache(request.block_ids[i], hashes[i])
+            for g in range(groups):
+                if ids[i * groups + g] != NULL_BLOCK:
+                    self.device_pool.cache(ids[i * groups + g], self._group_key(hashes[i], g))
         self._num_published[rid] = full
 
     def reset_prefix_cache(self) -> bool:
@@ -248,13 +310,22 @@ class KVCacheManager:
     def check_invariants(self, requests: list[Request]) -> None:
         """Raise AssertionError unless both pools agree with the requests' holdings and every cached block
         a request holds carries the hash of that request's tokens at that position."""
-        self.device_pool.check_invariants({r.request_id: r.block_ids for r in requests})
-        self.host_pool.check_invariants({r.request_id: r.host_block_ids for r in requests})
+        self.device_pool.check_invariants({r.request_id: [b for b in r.block_ids if b != NULL_BLOCK]
+                                           for r in requests})
+        self.host_pool.check_invariants({r.request_id: [h for h in r.host_block_ids if h != NO_HOST_BLOCK]
+                                         for r in requests})
+        groups = self.num_groups
         for r in requests:
-            for i, block_id in enumerate(r.block_ids):
+            for entry, block_id in enumerate(r.block_ids):
+                i, g = divmod(entry, groups)
+                if block_id == NULL_BLOCK:
+                    behind = (i + 1) * self.block_size <= r.num_computed_tokens - self.window + 1
+                    check(g in self.sliding_groups and behind,
+                          f"{r.request_id}: entry {entry} is the null block but not behind a window")
+                    continue
                 block_hash = self.device_pool.block_hash(block_id)
                 if block_hash is not None:
                     check(i < r.num_computed_tokens // self.block_size,
                            f"{r.request_id}: cached block {block_id} at position {i} is not fully computed")
-                    check(block_hash == self._block_hashes(r, i + 1)[i],
+                    check(block_hash == self._group_key(self._block_hashes(r, i + 1)[i], g),
                            f"{r.request_id}: block {block_id} at position {i} is cached under another content")

@@ -39,6 +39,7 @@ class SchedulerConfig:
     num_host_blocks: int = 0            # swap space
     trace_history: int = 1000           # step traces kept in Scheduler.step_traces
     enable_prefix_caching: bool = True  # reuse cached K/V of equal leading blocks (engine.core.kv_cache_manager)
+    group_windows: tuple[int, ...] = (0,)  # each KV cache group's sliding window, 0: full (models/paged.KVCacheGroups)
 
     def __post_init__(self):
         positive = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -127,7 +128,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.num_host_blocks, config.block_size,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching, config.group_windows)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -260,7 +261,7 @@ class Scheduler:
             decoding = set(step.decoders)
             step.prefilling = [r for r in self.running if r not in decoding]
         step.slot_takers = self.kv.decode_slot_takers(step.decoders, step.ahead)
-        promised = len(step.slot_takers)
+        promised = len(step.slot_takers) * self.kv.num_groups
         # The watermark is headroom for running decoders; with none running it would only block a big prompt.
         watermark = self.config.watermark_blocks if self.running else 0
         budget = free - promised - watermark
@@ -316,7 +317,7 @@ class Scheduler:
         if not self.kv.allocate_decode_slots(step.slot_takers):
             raise RuntimeError(f"scheduler bug: {self.kv.num_free} free blocks for {len(step.slot_takers)} "
                                f"decode slots")
-        new_blocks = len(step.slot_takers)
+        new_blocks = len(step.slot_takers) * self.kv.num_groups
         step.plan.decodes = step.decoders
         step.trace("decode", decodes=[r.request_id for r in step.plan.decodes], new_blocks=new_blocks,
                    free=self.kv.num_free)
@@ -340,6 +341,7 @@ class Scheduler:
                                    f"{request.num_computed_tokens} tokens are computed (step applied twice?)")
             request.num_computed_tokens += chunk.length
             self.kv.publish_computed(request)  # its K/V are written now: later admissions may share them
+            self.kv.free_behind_window(request)
             if chunk.samples and request.append_output(sampled[request.request_id], self.config.max_model_len):
                 finished.append(request)
         decodes = plan.decodes
@@ -351,6 +353,7 @@ class Scheduler:
         # The whole batch, every step: locals, no calls but the list's append. Request.append_output in two
         # halves: the append here for every row, the stop check below only where the token may stop.
         publish, block_size, finished_status = self.kv.publish_computed, self.config.block_size, RequestStatus.FINISHED
+        behind_window = self.kv.free_behind_window if self.kv.sliding_groups else None
         for request, token in zip(decodes, tokens):
             if request.status is finished_status:  # finished after schedule()
                 plan.stale.append(request)
@@ -362,6 +365,8 @@ class Scheduler:
             request.num_computed_tokens = n
             if n % block_size == 0:  # one more token fills a block at most here
                 publish(request)
+            if behind_window is not None:
+                behind_window(request)
             request.output_token_ids.append(token)
             request.num_tokens = n + 1
         max_model_len = self.config.max_model_len
@@ -375,7 +380,7 @@ class Scheduler:
     def _output(self, step: _StepState) -> SchedulerOutput:
         """The step as the worker sees it: requests it has not seen (or must see anew) in full, for the others
         their new blocks, the ids that left, the block copies and the work, by request id."""
-        plan, admitted = step.plan, step.admitted
+        plan, admitted, groups = step.plan, step.admitted, self.kv.num_groups
         new_ids = {r.request_id for r in admitted}
         if plan.decodes != self._decode_ids[0]:  # an identity compare, in C: a steady batch keeps its id list
             self._decode_ids = (plan.decodes, [r.request_id for r in plan.decodes])
@@ -386,7 +391,8 @@ class Scheduler:
         return SchedulerOutput(
             step=plan.step,
             new_requests=[NewRequestData.of(r) for r in admitted if r.status is RequestStatus.RUNNING],
-            new_block_ids={r.request_id: r.block_ids[-1:] for r in step.slot_takers if r.request_id not in new_ids},
+            new_block_ids={r.request_id: r.block_ids[-groups:]
+                           for r in step.slot_takers if r.request_id not in new_ids},
             finished_req_ids=self._take_aborted() + [r.request_id for r in plan.finished],
             preempted_req_ids=[r.request_id for r in plan.preempted + plan.swapped],
             swap_out=[(r.request_id, ids) for r, ids in plan.swap_out],
@@ -482,7 +488,7 @@ class Scheduler:
     # -------------------------------------------------------------- preemption helpers
 
     def _block_demand(self, step: _StepState) -> int:
-        return len(step.slot_takers) + sum(p.num_blocks for p in step.pending)
+        return len(step.slot_takers) * self.kv.num_groups + sum(p.num_blocks for p in step.pending)
 
     def _pick_victim(self, step: _StepState) -> Request | None:
         """Least important, then latest arrival; never one admitted this step, and never one at least as

@@ -45,13 +45,14 @@ class Buckets:
     width: int                        # block-table width: every sequence's most pages. One width:
                                       # the kernels loop over the pages a sequence uses, not the table
     swap_blocks: tuple[int, ...]      # blocks per swap copy
+    kv_groups: int = 1                # KV cache groups: a block of each per page of a sequence
 
     @classmethod
-    def make(cls, max_num_seqs, max_num_batched_tokens, max_blocks_per_seq, max_prefill_seqs=8):
+    def make(cls, max_num_seqs, max_num_batched_tokens, max_blocks_per_seq, max_prefill_seqs=8, kv_groups=1):
         return cls(tuple(powers_of_two(1, max_num_seqs)),
                    tuple(powers_of_two(MIN_PREFILL_TOKENS, max_num_batched_tokens)),
                    tuple(powers_of_two(min(max_num_seqs, max_prefill_seqs), max_num_seqs)), max_blocks_per_seq,
-                   tuple(powers_of_two(1, max_blocks_per_seq)))
+                   tuple(powers_of_two(1, max_blocks_per_seq * kv_groups)), kv_groups)
 
     def pick(self, sizes, n):
         for size in sizes:
@@ -60,11 +61,12 @@ class Buckets:
         raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
     def decode_layout(self, rows: int) -> StepLayout:
-        return StepLayout(rows, rows, self.width, rows, decode=True)
+        return StepLayout(rows, rows, self.width, rows, decode=True, kv_groups=self.kv_groups)
 
     def prefill_layout(self, tokens: int, seqs: int | None = None, all_logits: bool = False) -> StepLayout:
         seqs = seqs or self.prefill_seqs[0]
-        return StepLayout(tokens, seqs, self.width, tokens if all_logits else seqs, decode=False)
+        return StepLayout(tokens, seqs, self.width, tokens if all_logits else seqs, decode=False,
+                          kv_groups=self.kv_groups)
 
     def decode_layouts(self, min_rows: int = 0) -> list[StepLayout]:
         """The decode layouts of at least `min_rows` rows, smallest first."""

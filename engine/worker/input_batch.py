@@ -264,17 +264,24 @@ class InputBatch:
         if not layout.decode and (fed >= 0).any():  # a ragged step reads every input token from the host
             raise RuntimeError("a ragged step's decode rows need their last tokens on the host (land the step in "
                                "flight)")
-        tables = views["block_tables"].reshape(layout.num_seqs, layout.width)
+        width, groups = layout.table_width, layout.kv_groups
+        tables = views["block_tables"].reshape(layout.num_seqs, width)
         tables[:n] = self.tables[index]  # consecutive rows (the usual case): one block copy
         if n < layout.num_seqs:
             tables[n:] = NULL_BLOCK
         bs, counts = self.block_size, self._counts
         # A flat gather from the packed tables (cheaper than a 2-D fancy index); no int64 `%` (dearer than `//`)
         page = positions // bs
-        slots = tables.reshape(-1)[counts[:n] * layout.width + page] * bs + (positions - page * bs)
+        entries = counts[:n] * width + page * groups
+        offsets = positions - page * bs
+        slot_mapping = views["slot_mapping"].reshape(groups, -1)
+        for g in range(groups):  # a group's slot of each row: its block of the row's page, group-minor
+            slot_mapping[g, :n] = tables.reshape(-1)[entries + g] * bs + offsets
+            if n < layout.num_tokens:
+                slot_mapping[g, n:] = 0
         # Padding rows: token 0 at position 0, writing into the null block's slot 0, attending to nothing.
         for name, values in (("token_ids", tokens), ("token_source", fed), ("positions", positions),
-                             ("context_lens", positions + 1), ("slot_mapping", slots), ("logits_indices", counts[:n])):
+                             ("context_lens", positions + 1), ("logits_indices", counts[:n])):
             view = views.get(name)  # token_source: decode layouts only
             if view is None:
                 continue

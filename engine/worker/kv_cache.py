@@ -10,13 +10,13 @@ import numpy as np
 from engine.core.block_pool import NULL_BLOCK
 from models.config import ModelConfig
 from models.mesh import kv_cache_sharding
-from models.paged import KVCache, init_kv_cache
+from models.paged import KVCache, init_kv_cache, kv_cache_groups
 from pallas_kernels.ops import write_blocks
 
 
 @jax.jit
 def gather_blocks(kv_cache, block_ids):
-    """Every layer's pages `block_ids`: ([L, n, ...], [L, n, ...])."""
+    """Every slot's pages `block_ids`: ([num_slots, n, ...], [num_slots, n, ...])."""
     return tuple(pages[:, block_ids] for pages in kv_cache)
 
 
@@ -35,10 +35,10 @@ def host_memory_sharding(mesh):
 
 
 def kv_bytes_per_block(cfg, block_size, dtype, page_dims: tuple[int, int] | None = None) -> int:
-    """Bytes of one block over every layer, K and V, with pages of `page_dims` (KV heads, head dim): default the
-    model's; the TPU pads them (Kernels.kv_page_dims)."""
+    """Bytes of one block id over the pool's slots (every layer, or every layer of a KV cache group), K and V,
+    with pages of `page_dims` (KV heads, head dim): default the model's; the TPU pads them (Kernels.kv_page_dims)."""
     heads, dim = page_dims or (cfg.num_kv_heads, cfg.head_dim)
-    return 2 * cfg.num_layers * block_size * heads * dim * jnp.dtype(dtype).itemsize
+    return 2 * kv_cache_groups(cfg).num_slots * block_size * heads * dim * jnp.dtype(dtype).itemsize
 
 
 def memory_stats_device(devices):
@@ -67,7 +67,7 @@ def num_blocks_for_memory(cfg, block_size, dtype, memory_fraction: float, cap_bl
 
 
 class KVCacheStore:
-    """The device pages (k and v, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim], the last two
+    """The device pages (k and v, each [num_slots, num_blocks, block_size, num_kv_heads, head_dim], the last two
     padded on a TPU: Kernels.kv_page_dims) and the host copies of swapped-out requests' blocks, by request id.
     Each step donates `pages` and puts back its output. `buckets`: the padded block counts a swap copy takes (each
     compiles once)."""
@@ -81,7 +81,7 @@ class KVCacheStore:
         # step sees one input placement and compiles each shape once. Zeros made in place on each device: no full
         # copy of the cache anywhere.
         self.pages: KVCache = jax.jit(
-            functools.partial(init_kv_cache, cfg.num_layers, num_blocks, block_size, heads, dim, dtype),
+            functools.partial(init_kv_cache, kv_cache_groups(cfg).num_slots, num_blocks, block_size, heads, dim, dtype),
             out_shardings=(self.device_sharding, self.device_sharding))()
         self.host_sharding = host_memory_sharding(mesh)
         self.swap_buckets = swap_buckets

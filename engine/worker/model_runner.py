@@ -29,6 +29,7 @@ from engine.worker.sampler import build_sampling_metadata, fetch_sample, sampler
 from engine.worker.step import prompt_logprobs_step, sample_step
 from models.loading import LoadedModel
 from models.mesh import make_mesh
+from models.paged import kv_cache_groups
 from models.transformer import StaticGraphDef
 from pallas_kernels.kernels import Kernels
 
@@ -89,14 +90,16 @@ class ModelRunner:
         self.model, self.block_size, self.kernels = model, block_size, kernels
         self.graphdef = StaticGraphDef.of(model.graphdef)  # the jitted steps' static argument, hashed once
         self.mesh = mesh or make_mesh(jax.devices()[:1])
-        self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
+        self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size),
+                                    kv_groups=kv_cache_groups(model.cfg).num_groups)
         kernels.check_step_limits(self.buckets.decode_batch[-1], self.buckets.width, self.buckets.prefill_tokens[-1])
         self.kv = KVCacheStore(model.cfg, num_blocks, block_size, jnp.dtype(kv_dtype or model.dtype), self.mesh,
                                self.buckets.swap_blocks, native_write=kernels.native and self.mesh.size == 1,
                                page_dims=kernels.kv_page_dims(model.cfg.num_kv_heads, model.cfg.head_dim,
                                                               kv_dtype or model.dtype, self.mesh.size))
         self.requests: dict[str, CachedRequestState] = {}  # the worker's requests, by id
-        self.input_batch = InputBatch(self.requests, max_num_seqs, self.buckets.width, block_size, max_model_len)
+        self.input_batch = InputBatch(self.requests, max_num_seqs, self.buckets.width * self.buckets.kv_groups,
+                                      block_size, max_model_len)
         # i32[largest decode batch]: the last decode call's tokens, left on the device (sample_step's `fed`)
         self.fed = jax.jit(lambda: jnp.zeros(self.buckets.decode_batch[-1], jnp.int32),
                            out_shardings=jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))()

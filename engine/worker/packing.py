@@ -24,13 +24,20 @@ class StepLayout:
     width: int        # block-table width (pages per sequence)
     num_logits: int   # rows we compute logits for
     decode: bool
+    kv_groups: int = 1  # KV cache groups (models/paged.KVCacheGroups): a slot mapping and a table entry per block each
+
+    @property
+    def table_width(self) -> int:
+        """Block-table entries per sequence: `width` logical blocks, a block id of each group for each."""
+        return self.width * self.kv_groups
 
     def sizes(self) -> tuple[tuple[str, int], ...]:
-        t, s = self.num_tokens, self.num_seqs
+        t, s, g = self.num_tokens, self.num_seqs, self.kv_groups
         # token_source (decode steps only): -1, or where in the device-side tokens of the last decode call
         # this row's input token is (async scheduling feeds a token the host has not fetched yet)
         fed = (("token_source", t),) if self.decode else ()
-        return (("token_ids", t), *fed, ("positions", t), ("slot_mapping", t), ("block_tables", s * self.width),
+        return (("token_ids", t), *fed, ("positions", t), ("slot_mapping", g * t),
+                ("block_tables", s * self.table_width),
                 ("context_lens", s), ("query_start_loc", s + 1), ("logits_indices", self.num_logits))
 
     @property
@@ -48,7 +55,7 @@ class SeqSlice:
 
 
 def split_fields(buf, layout: StepLayout) -> dict:
-    """The buffer's named fields, as views (numpy on the host, traced slices inside jit)."""
+    """The buffer's named fields, as flat views (numpy on the host, traced slices inside jit)."""
     parts, offset = {}, 0
     for name, n in layout.sizes():
         parts[name] = buf[offset:offset + n]
@@ -66,7 +73,8 @@ def pack(seqs: Sequence[SeqSlice], layout: StepLayout, block_size: int, all_logi
         raise ValueError("a ragged step's decode rows have one logits row each: not all_logits")
     buf, first = (np.zeros(layout.size, np.int32), 0) if after is None else after
     views = split_fields(buf, layout)
-    tables = views["block_tables"].reshape(layout.num_seqs, layout.width)
+    tables = views["block_tables"].reshape(layout.num_seqs, layout.table_width)
+    slot_mapping, groups = views["slot_mapping"].reshape(layout.kv_groups, -1), layout.kv_groups
     if after is None:
         tables[:] = NULL_BLOCK
     # Padding tokens write into the null block (slot NULL_BLOCK * block_size == 0), so nothing real changes.
@@ -79,7 +87,9 @@ def pack(seqs: Sequence[SeqSlice], layout: StepLayout, block_size: int, all_logi
         blocks = np.asarray(s.block_ids, np.int32)
         views["token_ids"][row:row + n] = s.token_ids
         views["positions"][row:row + n] = positions
-        views["slot_mapping"][row:row + n] = blocks[positions // block_size] * block_size + positions % block_size
+        pages, offsets = positions // block_size * groups, positions % block_size
+        for g in range(groups):
+            slot_mapping[g, row:row + n] = blocks[pages + g] * block_size + offsets
         tables[i, :len(blocks)] = blocks
         views["context_lens"][i] = end_pos
         qsl[i] = row
@@ -104,8 +114,8 @@ def unpack(buf, layout: StepLayout, fed=None):
         source = parts["token_source"]
         token_ids = jnp.where(source >= 0, fed[jnp.maximum(source, 0)], token_ids)
     md = AttentionMetadata(
-        slot_mapping=parts["slot_mapping"],
-        block_tables=parts["block_tables"].reshape(layout.num_seqs, layout.width),
+        slot_mapping=parts["slot_mapping"].reshape(layout.kv_groups, layout.num_tokens),
+        block_tables=parts["block_tables"].reshape(layout.num_seqs, layout.table_width),
         context_lens=parts["context_lens"],
         query_start_loc=parts["query_start_loc"],
         decode=layout.decode,

@@ -6,13 +6,13 @@ import os
 from safetensors import safe_open
 
 from models.checkpoints.tensors import Checkpoint
-from models.config import load_hf_config, max_context_len, read_json
+from models.config import load_hf_config, read_json
 
 
 def read_checkpoint(model_dir: str) -> Checkpoint:
     cfg, hf = load_hf_config(model_dir)
     return Checkpoint(cfg, hf.get("dtype") or hf.get("torch_dtype") or "float32", safetensors_tensors(model_dir),
-                      max_context_len(hf, cfg), model_dir, f"{model_dir}/config.json")
+                      cfg.max_position_embeddings, model_dir, f"{model_dir}/config.json")
 
 
 def safetensors_files(model_dir: str) -> list[str]:

@@ -145,7 +145,7 @@ struct Geometry {
 
 // One unit of work: `nrows` consecutive query rows of one sequence, all query heads of kv heads
 // [head0, head0 + nheads). Row r sits at absolute position first_pos + r and sees keys
-// [0, clamp(first_pos + r + 1, 0, W * BS)).
+// [0, clamp(first_pos + r + 1, 0, W * BS)), under a sliding window only those > first_pos + r - window.
 struct Tile {
   int64_t row0;  // first query row (index into q / out)
   int64_t nrows;
@@ -196,6 +196,7 @@ struct Problem {
   Geometry g;
   float scale;
   float soft_cap;  // 0: none
+  int64_t window = 0;  // sliding window: a row at position p sees keys > p - window (0: none)
   TileKind tiles = TileKind::kVector;
 };
 
@@ -335,6 +336,10 @@ FERRY_INLINE void AttendTileImpl(const Problem<TQ, TKV>& p, const Tile& tile, Sc
     nk[r] = std::clamp<int64_t>(tile.first_pos + r + 1, 0, max_keys_total);
     max_keys = std::max(max_keys, nk[r]);
   }
+  // A sliding window's first key of row r (0 without one): the tile's pages start at row 0's.
+  auto first_key = [&](int64_t r) {
+    return p.window > 0 ? std::max<int64_t>(tile.first_pos + r - p.window + 1, 0) : int64_t{0};
+  };
   // The tile's query heads of one row are contiguous in q: (head0 * G ... (head0 + NH) * G).
   for (int64_t r = 0; r < tile.nrows; ++r) {
     const TQ* src = p.q + (tile.row0 + r) * q_row_stride + tile.head0 * G * D;
@@ -348,18 +353,21 @@ FERRY_INLINE void AttendTileImpl(const Problem<TQ, TKV>& p, const Tile& tile, Sc
   const TilePages pages(p.tables, g, tile, max_keys);
   const float cap = p.soft_cap;
   const float inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
-  for (int64_t j = 0; j < pages.count; ++j) {
+  for (int64_t j = first_key(0) / BS; j < pages.count; ++j) {
     const int64_t base = j * BS;
     const int64_t n = pages.Rows(j);
     const int64_t offset = pages.Offset(j);
     pages.PrefetchAhead(p.k, p.v, j, NH * D);
     for (int64_t hh = 0; hh < NH; ++hh) {
       int64_t ks = 0, vs = 0;
-      const float* kr = PageRows(p.k + offset + hh * D, n, kv_row_stride, D, sc.k.data(), &ks);
-      const float* vr = PageRows(p.v + offset + hh * D, n, kv_row_stride, D, sc.v.data(), &vs);
+      const float* kr_page = PageRows(p.k + offset + hh * D, n, kv_row_stride, D, sc.k.data(), &ks);
+      const float* vr_page = PageRows(p.v + offset + hh * D, n, kv_row_stride, D, sc.v.data(), &vs);
       for (int64_t r = 0; r < tile.nrows; ++r) {
-        const int64_t nm = std::min(n, nk[r] - base);  // keys of this page row r sees
+        const int64_t t0 = std::max<int64_t>(first_key(r) - base, 0);  // the page's keys row r sees: [t0, end)
+        const int64_t nm = std::min(n, nk[r] - base) - t0;
         if (nm <= 0) continue;
+        const float* kr = kr_page + t0 * ks;
+        const float* vr = vr_page + t0 * vs;
         for (int64_t gi = 0; gi < G; ++gi) {
           const int64_t mi = (r * NH + hh) * G + gi;
           Scores<kD>(qf + mi * D, kr, ks, nm, D, sv);
@@ -543,7 +551,7 @@ ffi::Error CheckCommon(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 template <typename TQ, typename TKV>
 Problem<TQ, TKV> MakeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g,
-                             float scale, float soft_cap, TileKind tiles) {
+                             float scale, float soft_cap, int64_t window, TileKind tiles) {
   Problem<TQ, TKV> p;
   p.q = static_cast<const TQ*>(q.untyped_data());
   p.k = static_cast<const TKV*>(k.untyped_data());
@@ -553,6 +561,7 @@ Problem<TQ, TKV> MakeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer 
   p.g = g;
   p.scale = scale;
   p.soft_cap = soft_cap > 0.0f ? soft_cap : 0.0f;
+  p.window = window > 0 ? window : 0;
   p.tiles = tiles;
   return p;
 }
@@ -562,9 +571,10 @@ void ZeroRows(T* out, int64_t row0, int64_t nrows, int64_t row_elems) {
   std::memset(out + row0 * row_elems, 0, sizeof(T) * nrows * row_elems);
 }
 
-// FERRY_NATIVE_ATTENTION_NO_GEMM_TILES=1 keeps prefill and decode on the vector-at-a-time tiles (tests).
-TileKind AttentionTiles(const Geometry& g, bool decode) {
-  if (EnvIsOne("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES")) return TileKind::kVector;
+// FERRY_NATIVE_ATTENTION_NO_GEMM_TILES=1 keeps prefill and decode on the vector-at-a-time tiles (tests). A
+// sliding window runs on them too: the x86 tiles have no per-row first key.
+TileKind AttentionTiles(const Geometry& g, bool decode, int64_t window) {
+  if (window > 0 || EnvIsOne("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES")) return TileKind::kVector;
   if (UseAvx512Matmul() && g.head_dim % (decode ? 32 : 16) == 0)
     return decode ? TileKind::kDecodeAvx512 : TileKind::kPrefillAvx512;
   if (UseAvx2Matmul() && g.head_dim % 8 == 0) return decode ? TileKind::kDecodeAvx2 : TileKind::kPrefillAvx2;
@@ -574,16 +584,16 @@ TileKind AttentionTiles(const Geometry& g, bool decode) {
 // The tiles over the dtype pair CheckCommon accepted.
 void RunAnyDtype(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                  ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g, float scale,
-                 float soft_cap, const std::vector<Tile>& tiles, bool decode) {
-  const TileKind kind = AttentionTiles(g, decode);
+                 float soft_cap, int64_t window, const std::vector<Tile>& tiles, bool decode) {
+  const TileKind kind = AttentionTiles(g, decode, window);
   const bool q_f32 = q.element_type() == ffi::DataType::F32;
   const bool kv_f32 = k.element_type() == ffi::DataType::F32;
   if (q_f32 && kv_f32) {
-    RunTiles(pool, MakeProblem<float, float>(q, k, v, tables, out, g, scale, soft_cap, kind), tiles, decode);
+    RunTiles(pool, MakeProblem<float, float>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
   } else if (q_f32) {
-    RunTiles(pool, MakeProblem<float, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, kind), tiles, decode);
+    RunTiles(pool, MakeProblem<float, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
   } else {
-    RunTiles(pool, MakeProblem<uint16_t, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, kind), tiles, decode);
+    RunTiles(pool, MakeProblem<uint16_t, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
   }
 }
 
@@ -608,10 +618,13 @@ std::vector<Tile> DecodeTiles(const Geometry& g, const std::vector<int64_t>& seq
 }
 
 ffi::Error DecodeBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> window,
                       ffi::Result<ffi::AnyBuffer>& out, float scale, float soft_cap) {
   Geometry g;
   if (auto err = CheckCommon(q, k, v, tables, lens, *out, &g); err.failure()) return err;
+  if (window.element_count() != 1)
+    return ffi::Error::InvalidArgument("ferry paged attention: sliding_window must be one int32");
+  const int64_t w = window.typed_data()[0];
   const int64_t S = q.dimensions()[0];
   if (tables.dimensions()[0] != S)
     return ffi::Error::InvalidArgument(
@@ -619,18 +632,21 @@ ffi::Error DecodeBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   std::vector<int64_t> seqs(S);
   std::iota(seqs.begin(), seqs.end(), int64_t{0});
   const std::vector<Tile> tiles = DecodeTiles(g, seqs, nullptr, lens.typed_data());
-  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, tiles, /*decode=*/true);
+  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, w, tiles, /*decode=*/true);
   return ffi::Error::Success();
 }
 
 // ----------------------------------------------------------------------------- prefill
 
 ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> window,
                        ffi::Buffer<ffi::S32> query_start_loc, ffi::Result<ffi::AnyBuffer>& out,
                        float scale, float soft_cap) {
   Geometry g;
   if (auto err = CheckCommon(q, k, v, tables, lens, *out, &g); err.failure()) return err;
+  if (window.element_count() != 1)
+    return ffi::Error::InvalidArgument("ferry paged attention: sliding_window must be one int32");
+  const int64_t w = window.typed_data()[0];
   const int64_t T = q.dimensions()[0];
   const int64_t S = tables.dimensions()[0];
   if (query_start_loc.dimensions().size() != 1 || query_start_loc.dimensions()[0] != S + 1)
@@ -640,7 +656,7 @@ ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   const int32_t* qsl = query_start_loc.typed_data();
   // Query tiles of ~32 query vectors (rows x group) share every K/V row they load; 64 for the GEMM
   // tiles, which run long chunks faster that way and short ones no slower.
-  const TileKind prefill_kind = AttentionTiles(g, /*decode=*/false);
+  const TileKind prefill_kind = AttentionTiles(g, /*decode=*/false, w);
   const bool gemm_tiles = prefill_kind == TileKind::kPrefillAvx512 || prefill_kind == TileKind::kPrefillAvx2;
   const int64_t tile_rows = std::max<int64_t>(1, (gemm_tiles ? 64 : 32) / g.group);
   std::vector<Tile> tiles;
@@ -676,8 +692,9 @@ ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
     return a.first_pos + a.nrows > b.first_pos + b.nrows;
   });
-  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, DecodeTiles(g, one_row, qsl, ctx), /*decode=*/true);
-  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, tiles, /*decode=*/false);
+  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, w, DecodeTiles(g, one_row, qsl, ctx),
+              /*decode=*/true);
+  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, w, tiles, /*decode=*/false);
   return ffi::Error::Success();
 }
 

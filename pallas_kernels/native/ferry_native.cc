@@ -2,8 +2,8 @@
 // FFI handlers:
 //
 //   FerryPagedDecodeAttention   q [S, Hq, D], k/v pages [NB, BS, Hkv, D], block_tables [S, W] i32,
-//                               context_lens [S] i32                      -> out [S, Hq, D]
-//   FerryPagedPrefillAttention  q [T, Hq, D], k/v pages, block_tables, context_lens,
+//                               context_lens [S] i32, sliding_window [] i32  -> out [S, Hq, D]
+//   FerryPagedPrefillAttention  q [T, Hq, D], k/v pages, block_tables, context_lens, sliding_window,
 //                               query_start_loc [S + 1] i32               -> out [T, Hq, D]
 //   FerryKvWrite                pages [..., NB, BS, Hkv, D], new [T, Hkv, D] (pages' dtype),
 //                               slot_mapping [T] i32  -> pages with row slot_mapping[t] = new[t]
@@ -20,7 +20,8 @@
 //
 // Attributes: scale (f32) and soft_cap (f32; 0 = no cap). Semantics are those of
 // pallas_kernels/reference.py: a query's absolute position is context_len - query_len + its index
-// in the chunk, it attends to keys at positions <= its own (and < W * BS), rows that attend to
+// in the chunk, it attends to keys at positions <= its own (and < W * BS; under a sliding window > 0, the last
+// `window` of them: table entries wholly before it are never read), rows that attend to
 // nothing come out as zeros, softmax runs in float32 and the output has q's dtype. float32 and
 // bfloat16 are supported: q, pages and output of one dtype, or float32 q and output over bfloat16
 // pages (a bf16 KV cache under a float32 model: half the cache bytes, no cast of the cache).
@@ -74,17 +75,17 @@ ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> window,
                       ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap) {
-  return Guarded([&] { return DecodeBody(pool, q, k, v, tables, lens, out, scale, soft_cap); });
+  return Guarded([&] { return DecodeBody(pool, q, k, v, tables, lens, window, out, scale, soft_cap); });
 }
 
 ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> window,
                        ffi::Buffer<ffi::S32> query_start_loc, ffi::Result<ffi::AnyBuffer> out,
                        float scale, float soft_cap) {
   return Guarded([&] {
-    return PrefillBody(pool, q, k, v, tables, lens, query_start_loc, out, scale, soft_cap);
+    return PrefillBody(pool, q, k, v, tables, lens, window, query_start_loc, out, scale, soft_cap);
   });
 }
 
@@ -106,7 +107,8 @@ ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 // The handlers are extern "C" functions (XLA_FFI_DEFINE_HANDLER_SYMBOL) but not exported: the library is
 // built with -fvisibility=hidden, and library.py takes their addresses from FerryFfiTargets.
 
-// Both attention handlers' bindings: the thread pool; q, k_pages, v_pages, block_tables, context_lens, then
+// Both attention handlers' bindings: the thread pool; q, k_pages, v_pages, block_tables, context_lens,
+// sliding_window, then
 // `more_args`; the output; the scale and soft_cap attributes. A macro rather than a helper
 // function: a helper shifts GCC's file-wide inlining budget and with it the code of the
 // AttendTile* kernels, while the macro leaves the library's code as it is.
@@ -117,7 +119,8 @@ ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
       .Arg<ffi::AnyBuffer>()        /* k_pages */                \
       .Arg<ffi::AnyBuffer>()        /* v_pages */                \
       .Arg<ffi::Buffer<ffi::S32>>() /* block_tables */           \
-      .Arg<ffi::Buffer<ffi::S32>>() /* context_lens */ more_args \
+      .Arg<ffi::Buffer<ffi::S32>>() /* context_lens */           \
+      .Arg<ffi::Buffer<ffi::S32>>() /* sliding_window */ more_args \
       .Ret<ffi::AnyBuffer>()        /* out */                    \
       .Attr<float>("scale")                                      \
       .Attr<float>("soft_cap")

@@ -1,12 +1,13 @@
 """The native CPU kernels as JAX ops: XLA FFI calls into the library (pallas_kernels/native/library.py).
 
-  paged_decode_attention_native(q, k_pages, v_pages, block_tables, context_lens, *, scale, soft_cap=None)
+  paged_decode_attention_native(q, k_pages, v_pages, block_tables, context_lens, *, scale, soft_cap=None,
+                                sliding_window=None)
   paged_prefill_attention_native(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale,
-                                 soft_cap=None)
+                                 soft_cap=None, sliding_window=None)
 
 take exactly the arguments of the references in pallas_kernels/reference.py and match them (float32
 and bfloat16, q and pages of one dtype, or float32 q over bfloat16 pages: a bf16 KV cache under a
-float32 model; GQA/MQA; any head_dim and block size; optional soft cap).
+float32 model; GQA/MQA; any head_dim and block size; optional soft cap and sliding window).
 `stacked_matmul(x, packed, layer, n=N)` is x @ w[layer] for a [L, K, N] stack of weights (float32 or bfloat16)
 packed once by `pack_stacked`, reading that layer's panels in place (the scanned decoder layers'
 linears: XLA CPU copies a dynamic slice before its library dot).
@@ -56,25 +57,30 @@ def _attrs(scale, soft_cap):
     return dict(scale=np.float32(scale), soft_cap=np.float32(0.0 if soft_cap is None else soft_cap))
 
 
+def _window(sliding_window):
+    """The window operand: an int32 scalar (0: none), traced where the layer scan picks it."""
+    return jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+
+
 def paged_decode_attention_native(q, k_pages, v_pages, block_tables, context_lens, *, scale,
-                                  soft_cap=None):
+                                  soft_cap=None, sliding_window=None):
     """One query token per sequence: q [S, Hq, D] -> [S, Hq, D] (reference semantics)."""
     _check(DECODE_TARGET, q, k_pages, v_pages)
     call = jax.ffi.ffi_call(DECODE_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
                             vmap_method="sequential")
     return call(q, k_pages, v_pages, jnp.asarray(block_tables, jnp.int32),
-                jnp.asarray(context_lens, jnp.int32), **_attrs(scale, soft_cap))
+                jnp.asarray(context_lens, jnp.int32), _window(sliding_window), **_attrs(scale, soft_cap))
 
 
 def paged_prefill_attention_native(q, k_pages, v_pages, block_tables, context_lens,
-                                   query_start_loc, *, scale, soft_cap=None):
+                                   query_start_loc, *, scale, soft_cap=None, sliding_window=None):
     """Flat query tokens of several sequences: q [T, Hq, D] -> [T, Hq, D] (reference semantics)."""
     _check(PREFILL_TARGET, q, k_pages, v_pages)
     call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
                             vmap_method="sequential")
     return call(q, k_pages, v_pages, jnp.asarray(block_tables, jnp.int32),
-                jnp.asarray(context_lens, jnp.int32), jnp.asarray(query_start_loc, jnp.int32),
-                **_attrs(scale, soft_cap))
+                jnp.asarray(context_lens, jnp.int32), _window(sliding_window),
+                jnp.asarray(query_start_loc, jnp.int32), **_attrs(scale, soft_cap))
 
 
 def kv_write(pages, updates, slot_mapping):

@@ -36,7 +36,12 @@ ragged paged attention, written again for Ferry's cache layout):
     the cache, so every DMA moves whole lane tiles (Mosaic cannot DMA a 64-lane window of a 128-lane tile);
   * online softmax with float32 running max / sum / accumulator in VMEM scratch; optional
     soft-cap (Gemma 2 style: cap * tanh(s / cap));
-  * block sizes and the scoped VMEM limit come from the chip's row of tuned_block_sizes.py.
+  * block sizes and the scoped VMEM limit come from the chip's row of tuned_block_sizes.py;
+  * sliding window (sliding_window not None: an int32 scalar, traced or not, 0 = none) is one more scalar
+    prefetch operand: each visit's K/V blocks start at the page holding the first key its first row sees
+    (common.first_visible_key), not at page 0, and so do the copies that start it (the prefetch from the visit
+    before), so pages wholly before the window (whose block-table entries may be garbage) are never copied;
+    the scores mask each row's keys before its window. None compiles without it.
 
 impl="pallas_tpu" compiles it with Mosaic on a TPU; "pallas_tpu_interpret" runs it anywhere with
 the TPU interpreter (pltpu.InterpretParams: DMAs, semaphores and VMEM simulated, uninitialised
@@ -54,7 +59,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu.layout import LANES, page_head_dim, page_kv_heads, round_up
 from pallas_kernels.tpu.tuned_block_sizes import ChipBlockSizes, block_sizes_for
-from pallas_kernels.triton.common import MASK_VALUE, normalise
+from pallas_kernels.triton.common import MASK_VALUE, first_visible_key, first_window_page, normalise
 
 NUM_BUFFERS = 2  # K/V VMEM buffers: block b is read from b % 2 while b + 1 streams into the other
 # SMEM the scalar-prefetched tables may take: a TPU core has 1 MiB (v4-v6), of which the kernel's tables compiled
@@ -68,9 +73,9 @@ def sublane_multiple(dtype) -> int:
 
 
 def smem_bytes(num_seqs: int, table_width: int, num_q_blocks: int, num_new_rows: int = 0) -> int:
-    """SMEM of the scalar prefetch operands: the flat block table, lengths, query starts, block ranges, and
-    the new K/V rows' slots."""
-    return 4 * (num_seqs * table_width + num_seqs + num_seqs + 1 + 2 * num_q_blocks + num_new_rows)
+    """SMEM of the scalar prefetch operands: the flat block table, lengths, query starts, block ranges, the
+    new K/V rows' slots, and the sliding window (one word, counted whether a layer has one or not)."""
+    return 4 * (num_seqs * table_width + num_seqs + num_seqs + 1 + 2 * num_q_blocks + num_new_rows + 1)
 
 
 def check_smem(num_seqs: int, table_width: int, num_tokens: int) -> None:
@@ -145,16 +150,20 @@ class _Visit:
     pos_offset: jax.Array   # absolute position of a row = row + pos_offset
     kv_len: jax.Array       # keys up to the block's last row of the sequence (causal), within the context
     num_pages: jax.Array
-    num_kv_blocks: jax.Array
+    num_kv_blocks: jax.Array  # K/V blocks from first_page on
+    first_page: jax.Array | None  # sliding window: the page holding the first row's first key (None: page 0)
 
 
-def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None, write_kv: bool):
-    """Refs, in order (the ones marked [write_kv] only when this step's K/V rows are written here):
+def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None, write_kv: bool,
+                  windowed: bool):
+    """Refs, in order (the ones marked [write_kv] only when this step's K/V rows are written here, [windowed]
+    only under a sliding window):
       scalar prefetch (SMEM):
         tables_ref      [S * W] int32    flat block tables
         lens_ref        [S] int32        context length of each sequence
         qsl_ref         [S + 1] int32    query rows of sequence s: [qsl[s], qsl[s+1])
         block_seqs_ref  [num_q_blocks * 2] int32  sequences [first, end) with rows in each block
+        window_ref      [1] int32        [windowed] the sliding window (0 = none)
         slots_ref       [T] int32        [write_kv] the cache slot of each new K/V row
       inputs:
         q_ref           [Hkv, group, block_q, Dp] this block's queries (VMEM)
@@ -172,6 +181,7 @@ def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None
     """
     refs = list(refs)
     tables_ref, lens_ref, qsl_ref, block_seqs_ref = refs[:4]
+    window_ref = refs.pop(4) if windowed else None
     slots_ref = refs.pop(4) if write_kv else None
     q_ref, k_hbm, v_hbm = refs[4:7]
     new_k, new_v = (refs.pop(7), refs.pop(7)) if write_kv else (None, None)
@@ -197,13 +207,27 @@ def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None
         has_rows = last_row >= jnp.maximum(q_start, first_row)
         kv_len = jnp.where(has_rows, jnp.clip(last_row + pos_offset + 1, 0, ctx_len), 0)
         num_pages = jnp.minimum(pl.cdiv(kv_len, block_size), table_width)
-        return _Visit(seq, q_start, q_end, pos_offset, kv_len, num_pages, pl.cdiv(num_pages, pages_per_block))
+        if not windowed:
+            return _Visit(seq, q_start, q_end, pos_offset, kv_len, num_pages, pl.cdiv(num_pages, pages_per_block),
+                          None)
+        # The visit's blocks start at the page holding its first row's first key: earlier pages are never read.
+        first_key = first_visible_key(jnp.maximum(q_start, first_row) + pos_offset, window_ref[0])
+        first_page = first_window_page(first_key, block_size, num_pages)
+        return _Visit(seq, q_start, q_end, pos_offset, kv_len, num_pages,
+                      pl.cdiv(num_pages - first_page, pages_per_block), first_page)
 
     def seq_range(prog):
         return block_seqs_ref[2 * prog], block_seqs_ref[2 * prog + 1]
 
+    def first_key_pos(v: _Visit, kv_block):
+        """The position of K/V block kv_block's first key."""
+        first = kv_block * keys_per_block
+        return first if v.first_page is None else v.first_page * block_size + first
+
     def copies(v: _Visit, kv_block, slot):
         first = kv_block * pages_per_block
+        if v.first_page is not None:
+            first = v.first_page + first
         return [_BlockCopy(hbm, buf.at[slot], sems.at[i, slot], tables_ref, table_width, v.seq, first, v.num_pages)
                 for i, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
 
@@ -233,11 +257,14 @@ def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None
 
     def attend_block(v: _Visit, kv_block, slot):
         """Online-softmax update of every KV head's rows with K/V block `kv_block` in `slot`."""
-        key_pos = kv_block * keys_per_block + key_in_block
+        block_pos = first_key_pos(v, kv_block)
+        key_pos = block_pos + key_in_block
         # Rows of this sequence only, causal, within the keys this block needs.
         mask = ((token >= v.q_start) & (token < v.q_end) & (key_pos < v.kv_len)
                 & (key_pos <= token + v.pos_offset))
-        v_ok = kv_block * keys_per_block + v_slot < v.kv_len
+        if windowed:  # and none before the row's window
+            mask = mask & (key_pos >= first_visible_key(token + v.pos_offset, window_ref[0]))
+        v_ok = block_pos + v_slot < v.kv_len
         for h in range(num_kv_heads):
             q = q_ref[h].reshape(rows, dp)
             k = k_buf[slot, :, :, h, :].reshape(keys_per_block, dp)
@@ -374,6 +401,7 @@ def ragged_paged_attention_tpu(
     decode: bool,
     scale: float,
     soft_cap: float | None = None,
+    sliding_window=None,
     block_q: int | None = None,
     pages_per_block: int | None = None,
     device_kind: str | None = None,
@@ -385,6 +413,8 @@ def ragged_paged_attention_tpu(
 
     Pages whose last dim is not page_head_dim(D) are padded here, a copy of the whole cache: callers that own
     the cache store it padded.
+    sliding_window: None (no window), or an int32 scalar, traced or not (0 = none): each query sees its last
+      `sliding_window` keys, and the pages wholly before them are never copied.
     block_q: prefill query tokens per grid step (multiple of 8, 16 for bf16); decode uses 1.
     pages_per_block: pages per K/V DMA block. Both default to the chip's row of tuned_block_sizes.py.
     device_kind: the chip compiled for (jax.Device.device_kind), which picks that row.
@@ -393,14 +423,15 @@ def ragged_paged_attention_tpu(
     num_kv_heads: the model's, where the pages hold more (page_kv_heads); default the pages' own.
     """
     return _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, None, decode=decode,
-                        scale=scale, soft_cap=soft_cap, block_q=block_q, pages_per_block=pages_per_block,
-                        device_kind=device_kind, interpret=interpret, num_kv_heads=num_kv_heads)
+                        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, block_q=block_q,
+                        pages_per_block=pages_per_block, device_kind=device_kind, interpret=interpret,
+                        num_kv_heads=num_kv_heads)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("k_pages", "v_pages"))
 def write_kv_and_attend_tpu(
     q, k, v, k_pages, v_pages, slot_mapping, block_tables, context_lens, query_start_loc=None, *,
-    decode: bool, scale: float, soft_cap: float | None = None, block_q: int | None = None,
+    decode: bool, scale: float, soft_cap: float | None = None, sliding_window=None, block_q: int | None = None,
     pages_per_block: int | None = None, device_kind: str | None = None, interpret=False, num_kv_heads=None,
 ):
     """This step's K/V rows k, v [T, Hkv, D] written into their slots (`slot_mapping` [T]) of the padded pages,
@@ -415,12 +446,13 @@ def write_kv_and_attend_tpu(
     new_kv = (jnp.pad(k, pad).astype(k_pages.dtype), jnp.pad(v, pad).astype(v_pages.dtype),
               slot_mapping.astype(jnp.int32))
     return _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, new_kv, decode=decode,
-                        scale=scale, soft_cap=soft_cap, block_q=block_q, pages_per_block=pages_per_block,
-                        device_kind=device_kind, interpret=interpret, num_kv_heads=num_kv_heads)
+                        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, block_q=block_q,
+                        pages_per_block=pages_per_block, device_kind=device_kind, interpret=interpret,
+                        num_kv_heads=num_kv_heads)
 
 
 def _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, new_kv, *, decode, scale,
-                 soft_cap, block_q, pages_per_block, device_kind, interpret, num_kv_heads):
+                 soft_cap, sliding_window, block_q, pages_per_block, device_kind, interpret, num_kv_heads):
     num_rows, num_q_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     _, block_size, page_heads, cache_dim = k_pages.shape
@@ -481,6 +513,9 @@ def _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_lo
     ]
     prefetch = [block_tables.astype(jnp.int32).reshape(-1), context_lens.astype(jnp.int32),
                 query_start_loc.astype(jnp.int32), block_sequences(query_start_loc, num_blocks, block_q)]
+    windowed = sliding_window is not None
+    if windowed:
+        prefetch.append(jnp.asarray(sliding_window, jnp.int32).reshape(1))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     # Under shard_map (tensor parallel) the output varies over the mesh axes q does.
     out_shape = [jax.ShapeDtypeStruct(q_in.shape, q.dtype,
@@ -497,7 +532,8 @@ def _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_lo
                       for p in (k_pages, v_pages)]
         aliases = {len(prefetch) + 1: 1, len(prefetch) + 2: 2}  # k_pages -> k_out, v_pages -> v_out
     kernel = functools.partial(_ragged_kernel, table_width=table_width, scale=float(scale),
-                               soft_cap=None if soft_cap is None else float(soft_cap), write_kv=new_kv is not None)
+                               soft_cap=None if soft_cap is None else float(soft_cap), write_kv=new_kv is not None,
+                               windowed=windowed)
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -516,7 +552,8 @@ def _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_lo
                             dp, jnp.dtype(k_pages.dtype).itemsize, num_blocks, decode,
                             0 if new_kv is None else new_kv[2].shape[0]),
         interpret=interpret_params(interpret),
-        name=f"ferry_ragged_paged_g{group}_d{head_dim}_bs{block_size}_q{block_q}{'_kvw' if new_kv else ''}",
+        name=(f"ferry_ragged_paged_g{group}_d{head_dim}_bs{block_size}_q{block_q}{'_kvw' if new_kv else ''}"
+              f"{'_sw' if windowed else ''}"),
     )(*prefetch, *inputs)
 
     out = outs[0]

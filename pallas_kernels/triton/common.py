@@ -25,6 +25,7 @@ except ImportError:
 
 MASK_VALUE = -1e30  # finite, so masked scores never make inf - inf = NaN in the softmax
 MIN_DOT_DIM = 16  # Triton's tl.dot needs every operand dimension >= 16
+NO_WINDOW_KEY = -(2**30)  # first_visible_key without a window: below every key position (and no overflow)
 
 
 # ----------------------------------------------------------------------------- compat helpers
@@ -120,6 +121,23 @@ def gpu_core_count(default: int = 132) -> int:
     if device.platform != "gpu":
         return default
     return int(getattr(device, "core_count", None) or default)
+
+
+# ----------------------------------------------------------------------------- sliding window
+
+
+def first_visible_key(q_pos, sliding_window):
+    """The first key position a query at q_pos sees under `sliding_window` (an int32 scalar, 0 = none):
+    q_pos - W + 1, negative near the start; NO_WINDOW_KEY without a window. A query at q_pos + i sees keys from
+    this + i, so one value per query tile says where each of its rows starts."""
+    window = jnp.asarray(sliding_window, jnp.int32)
+    return jnp.where(window > 0, q_pos - window + 1, NO_WINDOW_KEY)
+
+
+def first_window_page(first_key, block_size: int, num_pages):
+    """The logical page holding key `first_key` (pages before it are wholly outside the window: their table
+    entries may be garbage and are never read), at most num_pages."""
+    return jnp.minimum(lax.div(jnp.maximum(first_key, 0), block_size), num_pages)
 
 
 # ----------------------------------------------------------------------------- inside the kernels

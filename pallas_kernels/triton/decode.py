@@ -19,6 +19,11 @@ With num_splits > 1 each sequence's pages are divided among splits (FlashDecodin
 writes an unnormalised partial (acc, running max, running sum), and a small jnp epilogue
 combines them. Softmax statistics and accumulation are float32; the output has q's dtype.
 
+Under a sliding window (sliding_window not None) the wrapper passes each sequence's first visible key
+position (common.first_visible_key); the program starts its page loop at the page holding it, so the pages
+wholly before the window (whose block-table entries may be garbage) are never read, and the splits divide only
+the pages the window covers. The window is a traced int32 scalar (per layer, 0 = none); None compiles without it.
+
 The helpers (masked load/store, compiler params, the page loop with its online-softmax step, the
 pallas_call) are shared with prefill_attention.py, in triton_common.py.
 """
@@ -33,6 +38,8 @@ from pallas_kernels.triton.common import (
     MIN_DOT_DIM,
     attend_pages,
     call_kernel,
+    first_visible_key,
+    first_window_page,
     gpu_core_count,
     kernel_tuning,
     masked_load,
@@ -66,8 +73,10 @@ def _decode_kernel(
     v_ref,             # [N, bs, Hkv, D]  whole array
     tables_ref,        # [S, W] int32
     lens_ref,          # [S] int32
-    *rest,             # (NaN-filled buffers aliased to the outputs, interpret only), outputs
+    *rest,             # ([S] int32 first visible key, windowed only), (NaN-filled buffers aliased to the
+                       # outputs, interpret only), outputs
     num_outputs: int,
+    windowed: bool,    # a sliding window: rest[0] holds each sequence's first visible key
     group: int,        # query heads per KV head
     group_padded: int,
     head_dim_padded: int,
@@ -77,6 +86,7 @@ def _decode_kernel(
     soft_cap: float | None,
 ):
     out_refs = rest[-num_outputs:]
+    first_keys_ref = rest[0] if windowed else None
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_q_heads, head_dim = q_ref.shape[1], q_ref.shape[2]
     block_size, table_width = k_ref.shape[1], tables_ref.shape[1]
@@ -102,19 +112,31 @@ def _decode_kernel(
 
     ctx_len = lens_ref[seq]
     num_pages = jnp.minimum(pl.cdiv(ctx_len, block_size), table_width)
+    if windowed:  # skip the pages wholly before the window: never read (their table entries may be garbage)
+        first_key = first_keys_ref[seq]
+        window_page = first_window_page(first_key, block_size, num_pages)
+        pages_seen = num_pages - window_page
+    else:
+        pages_seen = num_pages
     # This split's pages: an equal share of the pages the sequence actually uses, rounded up
     # to whole loop steps so only the sequence's last step is partial.
-    per_split = pl.cdiv(pl.cdiv(num_pages, num_splits), pages_per_step) * pages_per_step
+    per_split = pl.cdiv(pl.cdiv(pages_seen, num_splits), pages_per_step) * pages_per_step
     first_page = split * per_split
+    if windowed:
+        first_page = window_page + first_page
     end_page = jnp.minimum(first_page + per_split, num_pages)
     num_steps = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_step)
+
+    def key_mask(key_ok, key_pos):
+        if windowed:  # the first page may start before the window
+            key_ok = key_ok & (key_pos >= first_key)
+        # Every query head of the group sees the same keys.
+        return jnp.broadcast_to(key_ok[None, :], (group_padded, tile))
 
     acc, m, l = attend_pages(
         q, k_ref, v_ref, tables_ref, seq, kv_head, first_page=first_page, end_page=end_page,
         kv_len=ctx_len, num_steps=num_steps, pages_per_step=pages_per_step, feature=d_c,
-        feature_ok=col_ok, scale=scale, soft_cap=soft_cap,
-        # Every query head of the group sees the same keys.
-        key_mask=lambda key_ok, _: jnp.broadcast_to(key_ok[None, :], (group_padded, tile)))
+        feature_ok=col_ok, scale=scale, soft_cap=soft_cap, key_mask=key_mask)
 
     out_mask = row_ok[:, None] & col_ok[None, :]
     if num_splits == 1:
@@ -139,6 +161,7 @@ def paged_decode_attention(
     q, k_pages, v_pages, block_tables, context_lens, *,
     scale: float,
     soft_cap: float | None = None,
+    sliding_window=None,
     num_splits: int | None = None,
     pages_per_step: int | None = None,
     num_warps: int | None = None,
@@ -147,6 +170,8 @@ def paged_decode_attention(
 ):
     """Decode attention over a paged KV cache: q [S, Hq, D] -> [S, Hq, D] (q's dtype).
 
+    sliding_window: None (no window), or an int32 scalar, traced or not (0 = none): each query sees its last
+      `sliding_window` keys, and the pages wholly before them are never read.
     num_splits: FlashDecoding page splits per sequence; None picks 1 in interpret mode and, on
       GPU, enough to fill the machine when S * num_kv_heads is small (see choose_num_splits).
     pages_per_step: pages per loop step (tile = pages_per_step * block_size keys, >= 16).
@@ -176,14 +201,17 @@ def paged_decode_attention(
                      jax.ShapeDtypeStruct((num_splits, num_seqs, num_q_heads), jnp.float32),  # m
                      jax.ShapeDtypeStruct((num_splits, num_seqs, num_q_heads), jnp.float32)]  # l
     inputs = [q, k_pages, v_pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32)]
+    windowed = sliding_window is not None
+    if windowed:  # the query sits at position context_len - 1
+        inputs.append(first_visible_key(context_lens.astype(jnp.int32) - 1, sliding_window))
     kernel = functools.partial(
-        _decode_kernel, num_outputs=len(out_shape), group=group, group_padded=group_padded,
+        _decode_kernel, num_outputs=len(out_shape), windowed=windowed, group=group, group_padded=group_padded,
         head_dim_padded=head_dim_padded, pages_per_step=pages_per_step, num_splits=num_splits,
         scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap))
     outs = call_kernel(
         kernel, inputs, out_shape, grid=(num_seqs, num_kv_heads, num_splits), interpret=interpret,
         num_warps=num_warps, num_stages=num_stages,
-        name=f"ferry_paged_decode_g{group}_d{head_dim}_bs{block_size}_k{num_splits}")
+        name=f"ferry_paged_decode_g{group}_d{head_dim}_bs{block_size}_k{num_splits}{'_sw' if windowed else ''}")
 
     if num_splits == 1:
         return outs[0]

@@ -19,6 +19,11 @@ head_dim 80/96 are padded to the next power of two by the load mask (Triton bloc
 two), and slots past the context or behind unused table entries (NaN included) are never read.
 Softmax statistics and accumulation are float32; the output has q's dtype.
 
+Sliding window (sliding_window not None: an int32 scalar, traced or not, 0 = none): the tile table gets
+tile_table's sixth column, the first key position the tile's first row sees (row i sees keys from that + i), and
+the page loop starts at the page holding it, so pages wholly before the window (whose block-table entries may be
+garbage) are never read. Without one (WINDOWED False) the kernel compiles as before.
+
 Three ways to run the same @triton.jit function:
   * on a GPU, `paged_attention_jax_triton` (jax_triton.triton_call; the dispatch's "jax_triton");
   * anywhere, `run_interpreted` in Triton's interpreter on host arrays (torch CPU tensors: the
@@ -53,7 +58,8 @@ _MASKED = tl.constexpr(MASK_VALUE)  # a Triton kernel reads only constexpr globa
 
 @triton.jit
 def _ragged_paged_attention_kernel(
-    tiles_ptr,       # [num_tiles, 5] int32: first row, end row, position of first row, context, seq
+    tiles_ptr,       # [num_tiles, TILE_COLS] int32: first row, end row, position of first row, context, seq,
+                     # (WINDOWED) first key position the first row sees
     q_ptr,           # [T, Hq, D]
     k_ptr,           # [N, bs, Hkv, D]
     v_ptr,           # [N, bs, Hkv, D]
@@ -72,15 +78,17 @@ def _ragged_paged_attention_kernel(
     SOFT_CAP: tl.constexpr,         # 0.0 = none
     DOT_PRECISION: tl.constexpr,    # "ieee" for float32 (Triton's default there is tf32)
     DOT_IN_F32: tl.constexpr,       # interpreter only, for 16-bit inputs (see run_interpreted)
+    WINDOWED: tl.constexpr,         # a sliding window: the tile table's sixth column
+    TILE_COLS: tl.constexpr,        # the tile table's columns: 5, 6 when WINDOWED
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     group = NUM_Q_HEADS // NUM_KV_HEADS
-    row0 = tl.load(tiles_ptr + tile_id * 5 + 0)
-    row_end = tl.load(tiles_ptr + tile_id * 5 + 1)
-    pos0 = tl.load(tiles_ptr + tile_id * 5 + 2)
-    ctx_len = tl.load(tiles_ptr + tile_id * 5 + 3)
-    seq = tl.load(tiles_ptr + tile_id * 5 + 4)
+    row0 = tl.load(tiles_ptr + tile_id * TILE_COLS + 0)
+    row_end = tl.load(tiles_ptr + tile_id * TILE_COLS + 1)
+    pos0 = tl.load(tiles_ptr + tile_id * TILE_COLS + 2)
+    ctx_len = tl.load(tiles_ptr + tile_id * TILE_COLS + 3)
+    seq = tl.load(tiles_ptr + tile_id * TILE_COLS + 4)
 
     r = tl.arange(0, BLOCK_Q * GROUP_PADDED)
     tok_in_tile = r // GROUP_PADDED
@@ -99,6 +107,12 @@ def _ragged_paged_attention_kernel(
     last_pos = pos0 + tl.minimum(BLOCK_Q, row_end - row0) - 1
     kv_len = tl.minimum(tl.maximum(last_pos + 1, 0), ctx_len)
     num_pages = tl.minimum(tl.cdiv(kv_len, BLOCK_SIZE), TABLE_WIDTH)
+    if WINDOWED:  # from the page holding the first row's first key: earlier pages are never read
+        key0 = tl.load(tiles_ptr + tile_id * TILE_COLS + 5)
+        start_page = tl.minimum(tl.maximum(key0, 0) // BLOCK_SIZE, num_pages)
+        row_key0 = key0 + tok_in_tile  # the first key each row sees
+    else:
+        start_page = 0
 
     t = tl.arange(0, PAGES_PER_STEP * BLOCK_SIZE)
     page_in_step = t // BLOCK_SIZE
@@ -106,7 +120,7 @@ def _ragged_paged_attention_kernel(
     acc = tl.zeros((BLOCK_Q * GROUP_PADDED, HEAD_DIM_PADDED), tl.float32)
     m = tl.full((BLOCK_Q * GROUP_PADDED,), _MASKED, tl.float32)
     l = tl.zeros((BLOCK_Q * GROUP_PADDED,), tl.float32)
-    for first_page in range(0, num_pages, PAGES_PER_STEP):
+    for first_page in range(start_page, num_pages, PAGES_PER_STEP):
         logical_page = first_page + page_in_step
         page_ok = logical_page < num_pages
         page = tl.load(tables_ptr + seq * TABLE_WIDTH + logical_page, mask=page_ok, other=0)
@@ -126,6 +140,8 @@ def _ragged_paged_attention_kernel(
             # tanh through the sigmoid: tl has no tanh that every backend and the interpreter share.
             s = SOFT_CAP * (2.0 * tl.sigmoid(2.0 * s / SOFT_CAP) - 1.0)
         sees = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            sees = sees & (key_pos[None, :] >= row_key0[:, None])
         s = tl.where(sees, s, _MASKED)
         m_next = tl.maximum(m, tl.max(s, axis=1))
         # `where`, not just exp: a row that has seen no key yet has m == _MASKED.
@@ -162,9 +178,10 @@ class Launch:
 
 
 def plan_launch(q_shape, k_shape, dtype, *, num_seqs: int, table_width: int, decode: bool,
-                scale: float, soft_cap: float | None, block_q: int | None = None) -> Launch:
+                scale: float, soft_cap: float | None, block_q: int | None = None,
+                windowed: bool = False) -> Launch:
     """The launch for q [T, Hq, D] over pages k [N, bs, Hkv, D] of `num_seqs` sequences whose
-    block tables are `table_width` pages wide.
+    block tables are `table_width` pages wide; `windowed`: under a sliding window.
 
     Decode tiles are one row (block_q 1) with the head group padded to 16 rows for the dot;
     prefill tiles are ~64 query rows (~32 for float32), as in the Pallas prefill kernel.
@@ -191,13 +208,14 @@ def plan_launch(q_shape, k_shape, dtype, *, num_seqs: int, table_width: int, dec
         BLOCK_SIZE=block_size, TABLE_WIDTH=table_width, GROUP_PADDED=group_padded, BLOCK_Q=block_q,
         HEAD_DIM_PADDED=head_dim_padded, PAGES_PER_STEP=pages_per_step, SCALE=float(scale),
         SOFT_CAP=0.0 if soft_cap is None else float(soft_cap),
-        DOT_PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32", DOT_IN_F32=False)
+        DOT_PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32", DOT_IN_F32=False,
+        WINDOWED=windowed, TILE_COLS=6 if windowed else 5)
     return Launch(num_tiles, num_kv_heads, block_q, num_warps, num_stages, constexprs)
 
 
 def _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, decode,
-                scale, soft_cap, block_q=None):
-    """(Launch, tile table [num_tiles, 5] int32) for these arrays, checked against each other."""
+                scale, soft_cap, sliding_window=None, block_q=None):
+    """(Launch, tile table [num_tiles, 5 or 6] int32) for these arrays, checked against each other."""
     num_seqs = context_lens.shape[0]
     paged_cache_dims(q, k_pages, v_pages)
     if block_tables.shape[0] != num_seqs:
@@ -210,9 +228,9 @@ def _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
         raise ValueError(f"query_start_loc {query_start_loc.shape} does not match context_lens")
     launch = plan_launch(q.shape, k_pages.shape, q.dtype, num_seqs=num_seqs,
                          table_width=block_tables.shape[1], decode=decode, scale=scale,
-                         soft_cap=soft_cap, block_q=block_q)
+                         soft_cap=soft_cap, block_q=block_q, windowed=sliding_window is not None)
     tiles = tile_table(jnp.asarray(query_start_loc), jnp.asarray(context_lens), q.shape[0],
-                       launch.block_q, launch.num_tiles)
+                       launch.block_q, launch.num_tiles, sliding_window)
     return launch, tiles
 
 
@@ -221,9 +239,10 @@ def _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
 
 def paged_attention_jax_triton(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
                                *, decode: bool, scale: float, soft_cap: float | None = None,
-                               block_q: int | None = None):
+                               sliding_window=None, block_q: int | None = None):
     """Decode (q [S, Hq, D]) or chunked prefill (flat q [T, Hq, D]) through jax_triton.triton_call;
-    needs a CUDA GPU and the `jax-triton` package (extra `cuda12`)."""
+    needs a CUDA GPU and the `jax-triton` package (extra `cuda12`). sliding_window: None, or an
+    int32 scalar, traced or not (0 = none)."""
     try:  # only here: it does not import without GPU support in jaxlib
         import jax_triton
     except ImportError as e:
@@ -231,7 +250,8 @@ def paged_attention_jax_triton(q, k_pages, v_pages, block_tables, context_lens, 
                            f'jaxlib (pip install -e ".[cuda12]"): {e}') from e
 
     launch, tiles = _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
-                                decode=decode, scale=scale, soft_cap=soft_cap, block_q=block_q)
+                                decode=decode, scale=scale, soft_cap=soft_cap,
+                                sliding_window=sliding_window, block_q=block_q)
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     # jax-triton 0.4 calls the output spec `out_type`; 0.3 (the last for Python 3.11) `out_shape`.
     params = inspect.signature(jax_triton.triton_call).parameters
@@ -276,13 +296,14 @@ def _interpreted():
 
 def run_interpreted(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
                     decode: bool, scale: float, soft_cap: float | None = None,
-                    block_q: int | None = None):
+                    sliding_window=None, block_q: int | None = None):
     """The kernel in Triton's interpreter on host copies of the arrays; returns a jax array of
     q's dtype. The output buffer starts NaN, so an element the kernel fails to write shows up."""
     import torch  # the interpreter reads buffers through torch's storage API
 
     launch, tiles = _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
-                                decode=decode, scale=scale, soft_cap=soft_cap, block_q=block_q)
+                                decode=decode, scale=scale, soft_cap=soft_cap,
+                                sliding_window=sliding_window, block_q=block_q)
 
     def host(x):
         x = jnp.asarray(x)
@@ -308,8 +329,9 @@ def run_interpreted(q, k_pages, v_pages, block_tables, context_lens, query_start
 
 def compile_for_gpu(q_shape, k_shape, dtype, *, table_width: int, num_seqs: int, decode: bool,
                     compute_capability: int, scale: float = 1.0,
-                    soft_cap: float | None = None) -> dict:
-    """Compile the kernel for CUDA `compute_capability` (80, 90, ...) with no GPU present.
+                    soft_cap: float | None = None, windowed: bool = False) -> dict:
+    """Compile the kernel for CUDA `compute_capability` (80, 90, ...) with no GPU present;
+    `windowed`: the sliding-window form (the window's value is in the tile table, not compiled in).
 
     Returns Triton's assembly stages by name ("ttir", "ttgir", "llir", "ptx", "cubin"), plus
     "shared": the bytes of shared memory a program needs.
@@ -318,7 +340,7 @@ def compile_for_gpu(q_shape, k_shape, dtype, *, table_width: int, num_seqs: int,
     from triton.compiler import ASTSource
 
     launch = plan_launch(q_shape, k_shape, dtype, num_seqs=num_seqs, table_width=table_width,
-                         decode=decode, scale=scale, soft_cap=soft_cap)
+                         decode=decode, scale=scale, soft_cap=soft_cap, windowed=windowed)
     constexprs = launch.constexprs
     elem = "*" + _TRITON_DTYPES[jnp.dtype(dtype).name]
     signature = {"tiles_ptr": "*i32", "q_ptr": elem, "k_ptr": elem, "v_ptr": elem,

@@ -21,6 +21,11 @@ zeros like any row that sees no key; tiles past the last are empty and write not
 loops only over the pages up to its last row's position. Loads are masked gathers, as in the
 decode kernel (the page loop, triton_common.attend_pages, is the decode kernel's), so head_dim
 80/96 and garbage in unused slots are fine.
+
+Under a sliding window (sliding_window not None: a traced int32 scalar, 0 = none) the tile table gets a sixth
+column, the first key position the tile's first row sees (common.first_visible_key; row i sees keys from that
++ i): the tile's page loop starts at the page holding it, so pages wholly before the window (whose block-table
+entries may be garbage) are never read. None compiles without it.
 """
 
 import functools
@@ -33,6 +38,8 @@ from pallas_kernels.triton.common import (
     MIN_DOT_DIM,
     attend_pages,
     call_kernel,
+    first_visible_key,
+    first_window_page,
     kernel_tuning,
     masked_load,
     masked_store,
@@ -41,13 +48,14 @@ from pallas_kernels.triton.common import (
     paged_cache_dims,
 )
 
-# Columns of the per-tile table the wrapper builds.
-_ROW0, _ROW_END, _POS0, _CTX, _SEQ = range(5)
+# Columns of the per-tile table the wrapper builds (_KEY0 under a sliding window only).
+_ROW0, _ROW_END, _POS0, _CTX, _SEQ, _KEY0 = range(6)
 
 
 def _prefill_kernel(
     # inputs
-    tiles_ref,   # [num_tiles, 5] int32: first row, end row, position of first row, context, seq
+    tiles_ref,   # [num_tiles, 5 or 6] int32: first row, end row, position of first row, context, seq,
+                 # (windowed) first key position the first row sees
     q_ref,       # [T, Hq, D]       whole array
     k_ref,       # [N, bs, Hkv, D]  whole array
     v_ref,       # [N, bs, Hkv, D]  whole array
@@ -60,6 +68,7 @@ def _prefill_kernel(
     pages_per_step: int,
     scale: float,
     soft_cap: float | None,
+    windowed: bool,
 ):
     o_ref = rest[-1]
     tile_id, kv_head = pl.program_id(0), pl.program_id(1)
@@ -93,22 +102,36 @@ def _prefill_kernel(
     last_pos = pos0 + jnp.minimum(block_q, row_end - row0) - 1
     kv_len = jnp.clip(last_pos + 1, 0, ctx_len)
     num_pages = jnp.minimum(pl.cdiv(kv_len, block_size), table_width)
-    num_steps = pl.cdiv(num_pages, pages_per_step)
+    first_page = None
+    if windowed:  # from the page holding the first row's first key: earlier pages are never read
+        key0 = tiles_ref[tile_id, _KEY0]
+        first_page = first_window_page(key0, block_size, num_pages)
+        num_steps = pl.cdiv(num_pages - first_page, pages_per_step)
+        row_key0 = key0 + tok_in_tile  # the first key each row sees
+    else:
+        num_steps = pl.cdiv(num_pages, pages_per_step)
+
+    def key_mask(key_ok, key_pos):
+        # [rows, tile], causal: each row sees the keys up to its own position ...
+        mask = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        if windowed:  # ... and none before its window
+            mask = mask & (key_pos[None, :] >= row_key0[:, None])
+        return mask
 
     acc, _, l = attend_pages(
-        q, k_ref, v_ref, tables_ref, seq, kv_head, end_page=num_pages, kv_len=kv_len,
-        num_steps=num_steps, pages_per_step=pages_per_step, feature=d_c, feature_ok=col_ok,
-        scale=scale, soft_cap=soft_cap,
-        # [rows, tile], causal: each row sees the keys up to its own position.
-        key_mask=lambda key_ok, key_pos: key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None]))
+        q, k_ref, v_ref, tables_ref, seq, kv_head, first_page=first_page, end_page=num_pages,
+        kv_len=kv_len, num_steps=num_steps, pages_per_step=pages_per_step, feature=d_c,
+        feature_ok=col_ok, scale=scale, soft_cap=soft_cap, key_mask=key_mask)
     # Unclamped indices: masked-off lanes point past the array or at rows this program leaves
     # unchanged (see the decode kernel's note on stores).
     masked_store(o_ref, (tok[:, None], head[:, None], d[None, :]),
                  normalise(acc, l).astype(o_ref.dtype), row_ok[:, None] & col_ok[None, :])
 
 
-def tile_table(query_start_loc, context_lens, num_tokens: int, block_q: int, num_tiles: int):
-    """[num_tiles, 5] int32 rows (first row, end row, position of first row, context, seq).
+def tile_table(query_start_loc, context_lens, num_tokens: int, block_q: int, num_tiles: int,
+               sliding_window=None):
+    """[num_tiles, 5] int32 rows (first row, end row, position of first row, context, seq), and
+    under a sliding window (not None) a sixth column: the first key position the first row sees.
 
     Segments are the S sequences plus the padding rows [qsl[S], T) as a context-0 segment; each
     is cut into ceil(len / block_q) tiles. Tiles past the last are empty (first row = end = T).
@@ -127,13 +150,16 @@ def tile_table(query_start_loc, context_lens, num_tokens: int, block_q: int, num
     local = tid - (cum[seg] - seg_tiles[seg])
     row0 = seg_start[seg] + local * block_q
     pos0 = seg_ctx[seg] - seg_len[seg] + (row0 - seg_start[seg])
-    table = jnp.stack([
+    columns = [
         jnp.where(used, row0, num_tokens),
         jnp.where(used, seg_end[seg], num_tokens),
         pos0,
         jnp.where(used, seg_ctx[seg], 0),
         jnp.minimum(seg, num_seqs - 1),  # the padding segment reads no pages (context 0)
-    ], axis=1)
+    ]
+    if sliding_window is not None:
+        columns.append(first_visible_key(pos0, sliding_window))
+    table = jnp.stack(columns, axis=1)
     return table.astype(jnp.int32)
 
 
@@ -145,6 +171,7 @@ def paged_prefill_attention(
     q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
     scale: float,
     soft_cap: float | None = None,
+    sliding_window=None,
     block_q: int | None = None,
     pages_per_step: int | None = None,
     num_warps: int | None = None,
@@ -153,6 +180,8 @@ def paged_prefill_attention(
 ):
     """Chunked prefill over a paged KV cache: flat q [T, Hq, D] -> [T, Hq, D] (q's dtype).
 
+    sliding_window: None (no window), or an int32 scalar, traced or not (0 = none): each query sees its last
+      `sliding_window` keys, and a tile never reads the pages wholly before its rows' windows.
     block_q: query tokens per tile (power of two); a tile has block_q * next_pow2(group) rows,
       by default ~64 (~32 for float32), at least 16 (Triton's dot).
     pages_per_step: pages per loop step (tile = pages_per_step * block_size keys, >= 16).
@@ -182,15 +211,16 @@ def paged_prefill_attention(
 
     # Each of the S + 1 segments adds at most one partial tile.
     num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs + 1
-    tiles = tile_table(query_start_loc, context_lens, num_tokens, block_q, num_tiles)
+    tiles = tile_table(query_start_loc, context_lens, num_tokens, block_q, num_tiles, sliding_window)
+    windowed = sliding_window is not None
 
     inputs = [tiles, q, k_pages, v_pages, block_tables.astype(jnp.int32)]
     kernel = functools.partial(
         _prefill_kernel, group=group, group_padded=group_padded, block_q=block_q,
         head_dim_padded=head_dim_padded, pages_per_step=pages_per_step, scale=float(scale),
-        soft_cap=None if soft_cap is None else float(soft_cap))
+        soft_cap=None if soft_cap is None else float(soft_cap), windowed=windowed)
     (out,) = call_kernel(
         kernel, inputs, [jax.ShapeDtypeStruct(q.shape, q.dtype)], grid=(num_tiles, num_kv_heads),
         interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-        name=f"ferry_paged_prefill_g{group}_d{head_dim}_bs{block_size}_q{block_q}")
+        name=f"ferry_paged_prefill_g{group}_d{head_dim}_bs{block_size}_q{block_q}{'_sw' if windowed else ''}")
     return out

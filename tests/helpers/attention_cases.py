@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import paged_prefill_attention_ref
+from pallas_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -168,3 +168,47 @@ WINDOW_PREFILLS = [
     (5, (0, 30, 17, 3), (13, 4, 1, 2)),
     (16, (40, 0, 9), (25, 7, 30)),
 ]
+
+
+def under_layer_scan(kernel):
+    """`kernel` called as the model calls it: under jax.jit, its sliding window a traced int32 scalar picked inside a
+    jax.lax.scan over layers (one layer here), never a static value."""
+    def call(*args, sliding_window, **kwargs):
+        def layers(windows, *a):
+            return jax.lax.scan(lambda c, w: (c, kernel(*a, sliding_window=w, **kwargs)), 0, windows)[1]
+        return jax.jit(layers)(jnp.asarray([sliding_window], jnp.int32), *args)[0]
+    return call
+
+
+def check_window_decode(seed, rng, context_lens, window, kernel, *, num_q_heads, num_kv_heads, head_dim, block_size,
+                        dtype, scale, soft_cap, what):
+    """kernel(q, k, v, tables, lens, scale=, soft_cap=, sliding_window=window) on decode_inputs(...) matches the
+    reference over the intact tables (window 0: the reference without a window), where the kernel's tables hold
+    garbage before each query's window (window > 0); context-0 rows come out zero."""
+    q, k, v, tables, lens = decode_inputs(rng, context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                          head_dim=head_dim, block_size=block_size, dtype=dtype)
+    ref = paged_decode_attention_ref(q, k, v, tables, lens, scale=scale, soft_cap=soft_cap,
+                                     sliding_window=window or None)
+    if window > 0:
+        tables = drop_blocks_before_window(rng, tables, lens, np.ones(len(context_lens), np.int32), window,
+                                           block_size)
+    out = kernel(q, k, v, tables, lens, scale=scale, soft_cap=soft_cap, sliding_window=window)
+    check_close(out, ref, dtype, seed, f"{what} window={window}")
+    assert_zero_rows(out, np.asarray(context_lens) == 0, "context-0 rows", seed)
+
+
+def check_window_prefill(seed, rng, prefixes, chunks, window, kernel, *, num_padding, num_q_heads, num_kv_heads,
+                         head_dim, block_size, dtype, scale, soft_cap, what):
+    """check_prefill under a sliding window: kernel(..., sliding_window=window) over tables holding garbage before
+    each sequence's window (window > 0) matches the reference over the intact tables (window 0: without a
+    window); the padding rows come out zero."""
+    q, k, v, tables, lens, qsl = prefill_inputs(
+        rng, prefixes, chunks, num_padding=num_padding, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size, dtype=dtype)
+    ref = paged_prefill_attention_ref(q, k, v, tables, lens, qsl, scale=scale, soft_cap=soft_cap,
+                                      sliding_window=window or None)
+    if window > 0:
+        tables = drop_blocks_before_window(rng, tables, lens, chunks, window, block_size)
+    out = kernel(q, k, v, tables, lens, qsl, scale=scale, soft_cap=soft_cap, sliding_window=window)
+    check_close(out, ref, dtype, seed, f"{what} window={window}")
+    assert_zero_rows(out, slice(-num_padding, None), "padding rows", seed)

@@ -13,7 +13,7 @@ import numpy as np
 
 from engine.worker.packing import SeqSlice, StepLayout, bucket, pack
 from engine.worker.step import model_step
-from models.paged import init_kv_cache
+from models.paged import init_kv_cache, kv_cache_groups
 from pallas_kernels.kernels import Kernels
 
 
@@ -26,15 +26,18 @@ class PagedRun:
 
 def paged_greedy(loaded, prompts, num_new, *, block_size=8, split=None, attention_impl=None, kv_dtype=None):
     """Prefill all prompts in one batched call (or two: the first `split` tokens, then the rest),
-    then decode them together one token per step, all through the paged cache."""
+    then decode them together one token per step, all through the paged cache (a block id of every KV cache
+    group per page)."""
     cfg = loaded.cfg
     kernels = Kernels.for_platform(jax.default_backend(), loaded.dtype, kv_dtype or loaded.dtype, attention_impl)
     max_len = max(len(p) for p in prompts) + num_new
+    groups = kv_cache_groups(cfg)
     per_seq = -(-max_len // block_size)
-    cache = init_kv_cache(cfg.num_layers, 1 + per_seq * len(prompts), block_size,
+    ids_per_seq = per_seq * groups.num_groups
+    cache = init_kv_cache(groups.num_slots, 1 + ids_per_seq * len(prompts), block_size,
                           *kernels.kv_page_dims(cfg.num_kv_heads, cfg.head_dim, kv_dtype or loaded.dtype),
                           kv_dtype or loaded.dtype)
-    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(prompts))]
+    tables = [list(range(1 + i * ids_per_seq, 1 + (i + 1) * ids_per_seq)) for i in range(len(prompts))]
     rng = np.random.default_rng(0)
     for t in tables:  # pages need not be contiguous or ordered
         rng.shuffle(t)
@@ -44,7 +47,8 @@ def paged_greedy(loaded, prompts, num_new, *, block_size=8, split=None, attentio
     for lo, hi in bounds:
         seqs = [SeqSlice(p[lo:hi], lo, t) for p, t in zip(prompts, tables)]
         rows = sum(len(s.token_ids) for s in seqs)
-        layout = StepLayout(bucket(rows, 16), num_seqs, per_seq, bucket(rows, 16), decode=False)
+        layout = StepLayout(bucket(rows, 16), num_seqs, per_seq, bucket(rows, 16), decode=False,
+                            kv_groups=groups.num_groups)
         logits, cache = model_step(loaded.graphdef, loaded.state, cache,
                                    pack(seqs, layout, block_size, all_logits=True), layout, kernels)
         logits, row = np.asarray(logits), 0
@@ -54,7 +58,7 @@ def paged_greedy(loaded, prompts, num_new, *, block_size=8, split=None, attentio
     prompt_logits = [np.concatenate(chunks) for chunks in prompt_logits]
     tokens = [[int(logits[-1].argmax())] for logits in prompt_logits]
     step_logits = [[logits[-1]] for logits in prompt_logits]
-    layout = StepLayout(num_seqs, num_seqs, per_seq, num_seqs, decode=True)
+    layout = StepLayout(num_seqs, num_seqs, per_seq, num_seqs, decode=True, kv_groups=groups.num_groups)
     for _ in range(num_new - 1):
         seqs = [SeqSlice([tok[-1]], len(p) + len(tok) - 1, t) for p, tok, t in zip(prompts, tokens, tables)]
         logits, cache = model_step(loaded.graphdef, loaded.state, cache, pack(seqs, layout, block_size),

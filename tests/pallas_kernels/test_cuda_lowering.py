@@ -22,6 +22,7 @@ import pytest
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.lowering import TRITON_CALL_TARGETS, export_for
 from pallas_kernels.triton.decode import paged_decode_attention
+from pallas_kernels.triton.prefill import paged_prefill_attention
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -108,3 +109,36 @@ def test_block_sizes_lower_for_cuda(block_size):
             return paged_attention(q, k, v, tables, lens, qsl, decode=decode, scale=0.1,
                                    impl="pallas")
         _lower_for_cuda(f, specs)
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "gemma-2b", "head_dim-80"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_sliding_window_lowers_for_cuda(model, decode):
+    """The window as a traced argument (a per-layer value): the decode kernel's first-key input and the prefill
+    tile table's window column lower with the rest."""
+    hq, hkv, d = MODEL_SHAPES[model]
+    specs = (*_specs(hq, hkv, d, jnp.bfloat16, NUM_SEQS if decode else NUM_TOKENS),
+             jax.ShapeDtypeStruct((), jnp.int32))
+
+    def f(q, k, v, tables, lens, qsl, window):
+        return paged_attention(q, k, v, tables, lens, qsl, decode=decode, scale=d ** -0.5, soft_cap=50.0,
+                               sliding_window=window, impl="pallas")
+
+    _lower_for_cuda(f, specs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_sliding_window_split_k_and_tiles_lower_for_cuda(dtype):
+    """Split-K decode and explicit prefill tiles under a window."""
+    specs = _specs(32, 8, 128, dtype, NUM_TOKENS)
+    window = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def decode(q, k, v, tables, lens, window):
+        return paged_decode_attention(q[:NUM_SEQS], k, v, tables, lens, scale=0.088, num_splits=4,
+                                      sliding_window=window)
+
+    def prefill(q, k, v, tables, lens, qsl, window):
+        return paged_prefill_attention(q, k, v, tables, lens, qsl, scale=0.088, block_q=4, sliding_window=window)
+
+    _lower_for_cuda(decode, (*specs[:5], window))
+    _lower_for_cuda(prefill, (*specs, window))

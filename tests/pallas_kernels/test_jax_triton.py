@@ -19,9 +19,12 @@ import pytest
 
 from helpers.attention_cases import (
     PREFILL_CASES,
+    WINDOW_PREFILLS,
     assert_zero_rows,
     check_close,
     check_prefill,
+    check_window_decode,
+    check_window_prefill,
     decode_inputs,
     prefill_batch,
 )
@@ -78,6 +81,39 @@ def test_prefill_default_tiling_random_lengths(seed):
                   dtype=jnp.bfloat16, scale=0.125, soft_cap=8.0, what="jax-triton prefill default")
 
 
+# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap, window)
+WINDOW_DECODE_CASES = [
+    (4, 2, 64, 8, jnp.float32, None, 5),       # GQA, a window not a multiple of the page
+    (8, 1, 80, 16, jnp.bfloat16, 30.0, 16),    # MQA, soft cap, a one-page window
+    (2, 2, 64, 8, jnp.float32, 5.0, 0),        # window 0: none
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap,window", WINDOW_DECODE_CASES)
+def test_decode_sliding_window_interpreted(seed, hq, hkv, d, bs, dtype, cap, window):
+    """Garbage in the table entries before each window is never read (the window as a jax int32 scalar)."""
+    rng = np.random.default_rng(seed)
+    ctx = [0, 3, window + 1, 9 * bs + 5, int(rng.integers(1, 12 * bs))]
+    kernel = lambda *a, sliding_window, **kw: jt.run_interpreted(  # noqa: E731
+        *a, None, decode=True, sliding_window=jnp.int32(sliding_window), **kw)
+    check_window_decode(seed, rng, ctx, window, kernel, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                        block_size=bs, dtype=dtype, scale=d ** -0.5, soft_cap=cap,
+                        what="jax-triton decode (interpreter)")
+
+
+@pytest.mark.parametrize("window,prefixes,chunks", WINDOW_PREFILLS)
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap", [(4, 2, 64, 8, jnp.float32, None),
+                                                   (4, 1, 96, 16, jnp.bfloat16, 20.0)])
+def test_prefill_sliding_window_interpreted(seed, hq, hkv, d, bs, dtype, cap, window, prefixes, chunks):
+    """16-row tiles, so a chunk's tiles start at different pages."""
+    rng = np.random.default_rng(seed)
+    group_padded = 1 << (hq // hkv - 1).bit_length()
+    kernel = functools.partial(jt.run_interpreted, decode=False, block_q=max(1, 16 // group_padded))
+    check_window_prefill(seed, rng, prefixes, chunks, window, kernel, num_padding=3, num_q_heads=hq,
+                         num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype, scale=d ** -0.5,
+                         soft_cap=cap, what="jax-triton prefill (interpreter)")
+
+
 def test_bad_shapes_name_the_field():
     q = jnp.zeros((3, 4, 64), jnp.float32)
     k = jnp.zeros((5, 8, 2, 64), jnp.float32)
@@ -108,6 +144,19 @@ def test_compiles_for_gpu_without_one(name, capability):
         assert ".entry _ragged_paged_attention_kernel" in asm["ptx"], what
         assert asm["cubin"][:4] == b"\x7fELF", what  # ptxas produced a CUDA binary
         # Within the smallest per-block opt-in shared memory of the targets (sm_86/89: 99 KiB).
+        assert asm["shared"] <= 99 * 1024, (what, asm["shared"])
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_sliding_window_compiles_for_gpu(capability):
+    """The windowed kernel (the window read from the tile table, not compiled in) builds for both targets."""
+    hq, hkv, d = MODEL_HEAD_SHAPES["gemma-2b"]
+    for decode, rows in ((True, 8), (False, 256)):
+        asm = jt.compile_for_gpu((rows, hq, d), (512, 16, hkv, d), jnp.bfloat16, table_width=64, num_seqs=8,
+                                 decode=decode, compute_capability=capability, scale=d ** -0.5, soft_cap=50.0,
+                                 windowed=True)
+        what = f"windowed {'decode' if decode else 'prefill'} sm_{capability}"
+        assert asm["cubin"][:4] == b"\x7fELF", what
         assert asm["shared"] <= 99 * 1024, (what, asm["shared"])
 
 

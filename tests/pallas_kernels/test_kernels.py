@@ -15,13 +15,17 @@ import pytest
 
 from helpers.attention_cases import (
     PREFILL_CASES,
+    WINDOW_PREFILLS,
     assert_zero_rows,
     check_close,
     check_prefill,
+    check_window_decode,
+    check_window_prefill,
     decode_inputs,
     make_cache,
     prefill_batch,
     random_q,
+    under_layer_scan,
 )
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.reference import paged_decode_attention_ref
@@ -99,6 +103,66 @@ def test_prefill_through_dispatch(seed):
                   reference=functools.partial(paged_attention, decode=False, impl="reference"),
                   num_padding=5, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=bs,
                   dtype=jnp.bfloat16, scale=0.125, soft_cap=8.0, what="prefill dispatch")
+
+
+# ----------------------------------------------------------------------------- sliding window
+
+# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap, window, num_splits)
+WINDOW_DECODE_CASES = [
+    (4, 2, 64, 8, jnp.float32, None, 5, 1),      # GQA, a window not a multiple of the page
+    (8, 1, 80, 16, jnp.bfloat16, 30.0, 16, 3),   # MQA, soft cap, a one-page window, split-K
+    (7, 1, 96, 8, jnp.float32, 10.0, 21, 2),     # MQA group 7, soft cap, split-K
+    (2, 2, 64, 8, jnp.float32, 5.0, 0, 2),       # window 0: none (every page read)
+]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["int", "traced"])
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap,window,splits", WINDOW_DECODE_CASES)
+def test_decode_sliding_window(seed, hq, hkv, d, bs, dtype, cap, window, splits, traced):
+    """Garbage in the table entries before each window is never read; the window as a Python int or traced
+    inside a layer scan."""
+    rng = np.random.default_rng(seed)
+    # context 0, within the window, just past it, many pages past it, random.
+    ctx = [0, 3, window + 1, 9 * bs + 5, int(rng.integers(1, 12 * bs))]
+    kernel = functools.partial(paged_decode_attention, num_splits=splits, interpret=True)
+    check_window_decode(seed, rng, ctx, window, under_layer_scan(kernel) if traced else kernel, num_q_heads=hq,
+                        num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype, scale=d ** -0.5, soft_cap=cap,
+                        what=f"decode splits={splits}")
+
+
+# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap)
+WINDOW_PREFILL_DIMS = [
+    (4, 2, 64, 8, jnp.float32, None),      # GQA
+    (4, 1, 96, 16, jnp.bfloat16, 20.0),    # MQA, soft cap
+]
+
+
+@pytest.mark.parametrize("window,prefixes,chunks", WINDOW_PREFILLS)
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap", WINDOW_PREFILL_DIMS)
+def test_prefill_sliding_window(seed, hq, hkv, d, bs, dtype, cap, window, prefixes, chunks):
+    """Chunks crossing the window, past it, inside it; 16-row tiles, so a chunk's tiles start at different pages;
+    the window traced inside a layer scan."""
+    rng = np.random.default_rng(seed)
+    group_padded = 1 << (hq // hkv - 1).bit_length()
+    kernel = functools.partial(paged_prefill_attention, block_q=max(1, 16 // group_padded), interpret=True)
+    check_window_prefill(seed, rng, prefixes, chunks, window, under_layer_scan(kernel), num_padding=3,
+                         num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype,
+                         scale=d ** -0.5, soft_cap=cap, what="prefill")
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_sliding_window_through_dispatch(seed, window):
+    """impl="pallas_interpret" passes the window on: default tiling, random lengths; window 0 means none."""
+    rng = np.random.default_rng(seed)
+    prefixes, chunks = rng.integers(0, 64, size=4), rng.integers(1, 24, size=4)
+    check_window_prefill(seed, rng, prefixes, chunks, window,
+                         functools.partial(paged_attention, decode=False, impl="pallas_interpret"), num_padding=5,
+                         num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16,
+                         scale=0.125, soft_cap=8.0, what="prefill dispatch")
+    check_window_decode(seed, rng, [0, 5, 40, 100], window,
+                        lambda *a, **kw: paged_attention(*a, None, decode=True, impl="pallas_interpret", **kw),
+                        num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16,
+                        scale=0.125, soft_cap=None, what="decode dispatch")
 
 
 # ----------------------------------------------------------------------------- the poison works

@@ -20,10 +20,12 @@ import pytest
 
 from helpers.attention_cases import (
     PREFILL_CASES,
+    WINDOW_PREFILLS,
     assert_zero_rows,
     check_close,
     check_prefill,
     decode_inputs,
+    drop_blocks_before_window,
     prefill_batch,
     prefill_inputs,
     run_poisoned,
@@ -232,6 +234,33 @@ def test_prefill_of_one_token_chunks_is_decode(seed, dtype, attention_tiles):
     dec = paged_decode_attention_native(q[rows], k, v, tables[one], lens[one], scale=0.125)
     np.testing.assert_array_equal(np.asarray(pre[rows], np.float32), np.asarray(dec, np.float32),
                                   err_msg=f"seed={seed}")
+
+
+# ----------------------------------------------------------------------------- sliding window
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("window,prefixes,chunks", WINDOW_PREFILLS)
+def test_sliding_window_matches_reference(seed, dtype, window, prefixes, chunks, attention_tiles):
+    """A window (traced, as the layer scan passes it) in prefill and decode, the table entries wholly before
+    it garbage (the KV cache manager frees those blocks); window 0 is none."""
+    rng = np.random.default_rng(seed)
+    bs = 8
+    q, k, v, tables, lens, qsl = prefill_inputs(rng, prefixes, chunks, num_padding=3, num_q_heads=4,
+                                                num_kv_heads=2, head_dim=64, block_size=bs, dtype=dtype)
+    dropped = drop_blocks_before_window(rng, tables, lens, chunks, window, bs)
+    prefill = jax.jit(functools.partial(paged_prefill_attention_native, scale=0.125, soft_cap=20.0))
+    ref = paged_prefill_attention_ref(q, k, v, tables, lens, qsl, scale=0.125, soft_cap=20.0, sliding_window=window)
+    check_close(prefill(q, k, v, dropped, lens, qsl, sliding_window=jnp.int32(window)), ref, dtype, seed,
+                "windowed prefill")
+    check_close(prefill(q, k, v, tables, lens, qsl, sliding_window=jnp.int32(0)),
+                paged_prefill_attention_ref(q, k, v, tables, lens, qsl, scale=0.125, soft_cap=20.0), dtype, seed,
+                "window 0")
+    decode = jax.jit(functools.partial(paged_decode_attention_native, scale=0.125))
+    q1 = q[:len(prefixes)]
+    dropped = drop_blocks_before_window(rng, tables, lens, [1] * len(prefixes), window, bs)
+    check_close(decode(q1, k, v, dropped, lens, sliding_window=jnp.int32(window)),
+                paged_decode_attention_ref(q1, k, v, tables, lens, scale=0.125, sliding_window=window), dtype, seed,
+                "windowed decode")
 
 
 # ----------------------------------------------------------------------------- API and build

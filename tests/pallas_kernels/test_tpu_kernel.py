@@ -18,6 +18,11 @@ the process after DEADLOCK_TIMEOUT_S rather than letting CI hang.
 
 import faulthandler
 import functools
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +31,19 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from helpers.attention_cases import (
+    WINDOW_PREFILLS,
     assert_zero_rows,
     check_close,
     check_prefill,
+    check_window_decode,
+    check_window_prefill,
     decode_inputs,
+    drop_blocks_before_window,
     prefill_batch,
     prefill_inputs,
+    under_layer_scan,
 )
+from helpers.repo import ROOT
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.lowering import MODEL_HEAD_SHAPES, TPU_CALL_TARGET, export_for
 from pallas_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
@@ -41,6 +52,7 @@ from pallas_kernels.tpu.ragged_paged_attention import (
     check_smem,
     page_head_dim,
     ragged_paged_attention_tpu,
+    smem_bytes,
     sublane_multiple,
     write_kv_and_attend_tpu,
 )
@@ -143,6 +155,64 @@ def test_through_dispatch(seed):
     check_close(out, ref, jnp.float32, seed, "tpu decode dispatch")
 
 
+# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap, window, pages_per_block, races, traced)
+WINDOW_DECODE_CASES = [
+    (4, 2, 64, 8, jnp.float32, None, 5, 2, True, False),      # GQA, a window not a multiple of the page, races
+    (8, 1, 80, 16, jnp.bfloat16, 30.0, 16, 1, False, True),   # MQA, soft cap, one-page window, traced
+    (7, 1, 128, 8, jnp.float32, 10.0, 21, 3, False, True),    # MQA group 7, 3-page blocks, traced
+    (2, 2, 64, 8, jnp.float32, 5.0, 0, 2, False, True),       # window 0: none
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap,window,ppb,races,traced", WINDOW_DECODE_CASES)
+def test_decode_sliding_window(seed, hq, hkv, d, bs, dtype, cap, window, ppb, races, traced):
+    """Each sequence's K/V blocks (and the prefetch of its first from the sequence before) start at its window's
+    first page: the garbage table entries before it would be out-of-bounds reads, which the interpreter raises."""
+    rng = np.random.default_rng(seed)
+    ctx = [0, 3, window + 1, 9 * bs + 5, int(rng.integers(1, 12 * bs))]
+    kernel = functools.partial(ragged_paged_attention_tpu, decode=True, pages_per_block=ppb,
+                               interpret=_interpret(races))
+    check_window_decode(seed, rng, ctx, window, under_layer_scan(kernel) if traced else kernel, num_q_heads=hq,
+                        num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype, scale=d ** -0.5, soft_cap=cap,
+                        what=f"tpu decode ppb={ppb}")
+    _assert_no_races(races, seed)
+
+
+# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap, pages_per_block)
+WINDOW_PREFILL_DIMS = [
+    (4, 2, 96, 16, jnp.bfloat16, 20.0, 2),   # GQA, soft cap
+    (4, 1, 80, 8, jnp.float32, None, 3),     # MQA, 3-page blocks
+]
+
+
+@pytest.mark.parametrize("window,prefixes,chunks", WINDOW_PREFILLS)
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap,ppb", WINDOW_PREFILL_DIMS)
+def test_prefill_sliding_window(seed, hq, hkv, d, bs, dtype, cap, ppb, window, prefixes, chunks):
+    """Small query blocks holding several sequences, each visit starting at its own window's first page; the
+    window traced inside a layer scan."""
+    rng = np.random.default_rng(seed)
+    kernel = functools.partial(ragged_paged_attention_tpu, decode=False, pages_per_block=ppb,
+                               block_q=sublane_multiple(dtype), interpret=True)
+    check_window_prefill(seed, rng, prefixes, chunks, window, under_layer_scan(kernel), num_padding=3,
+                         num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype,
+                         scale=d ** -0.5, soft_cap=cap, what="tpu prefill")
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_sliding_window_through_dispatch(seed, window):
+    """impl="pallas_tpu_interpret" passes the window on, default blocks; window 0 means none."""
+    rng = np.random.default_rng(seed)
+    prefixes, chunks = rng.integers(0, 64, size=3), rng.integers(1, 24, size=3)
+    check_window_prefill(seed, rng, prefixes, chunks, window,
+                         functools.partial(paged_attention, decode=False, impl="pallas_tpu_interpret"),
+                         num_padding=5, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                         dtype=jnp.float32, scale=0.125, soft_cap=8.0, what="tpu prefill dispatch")
+    check_window_decode(seed, rng, [0, 5, 40, 100], window,
+                        lambda *a, **kw: paged_attention(*a, None, decode=True, impl="pallas_tpu_interpret", **kw),
+                        num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.float32,
+                        scale=0.125, soft_cap=None, what="tpu decode dispatch")
+
+
 def test_single_buffering_is_caught(seed, monkeypatch):
     """With one K/V buffer the next block's copy lands in the buffer being read (and the two
     blocks' copies share one semaphore): the comparison must catch it, so the double-buffered
@@ -170,11 +240,13 @@ def _new_rows_slots(tables, lens, qsl, block_size):
     return np.asarray(slots, np.int32)
 
 
+@pytest.mark.parametrize("window", [None, 5], ids=["no-window", "window"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_write_kv_and_attend(seed, decode):
+def test_write_kv_and_attend(seed, decode, window):
     """The fused kernel writes this step's K/V rows into their slots (the padded pages otherwise unchanged, the
     padding lanes zero) and attends over them: the same pages as the XLA scatter, the same output as the
-    reference over those pages. Head_dim 80: the pages carry 48 padding lanes."""
+    reference over those pages. Head_dim 80: the pages carry 48 padding lanes. Under a sliding window the
+    table entries before each window hold garbage (the rows' slots come from the intact tables)."""
     rng = np.random.default_rng(seed)
     hq, hkv, d, bs, dtype = 4, 2, 80, 8, jnp.float32
     if decode:
@@ -194,13 +266,16 @@ def test_write_kv_and_attend(seed, decode):
     flat = lambda pages, new: pages.reshape(-1, hkv, d).at[slots].set(new).reshape(pages.shape)  # noqa: E731
     k_ref, v_ref = flat(k, new_k), flat(v, new_v)
     if decode:
-        ref = paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, scale=d ** -0.5)
+        ref = paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, scale=d ** -0.5, sliding_window=window)
     else:
-        ref = paged_prefill_attention_ref(q, k_ref, v_ref, tables, lens, qsl, scale=d ** -0.5)
+        ref = paged_prefill_attention_ref(q, k_ref, v_ref, tables, lens, qsl, scale=d ** -0.5,
+                                          sliding_window=window)
+    if window:
+        tables = drop_blocks_before_window(rng, tables, lens, np.diff(np.asarray(qsl)), window, bs)
     pad = ((0, 0), (0, 0), (0, 0), (0, page_head_dim(d) - d))
     out, k_out, v_out = write_kv_and_attend_tpu(
         q, new_k, new_v, jnp.pad(k, pad), jnp.pad(v, pad), jnp.asarray(slots), tables, lens,
-        None if decode else qsl, decode=decode, scale=d ** -0.5, pages_per_block=2,
+        None if decode else qsl, decode=decode, scale=d ** -0.5, sliding_window=window, pages_per_block=2,
         block_q=None if decode else sublane_multiple(dtype), interpret=True)
     check_close(out, ref, dtype, seed, "fused K/V write + attention")
     if num_padding:
@@ -213,6 +288,8 @@ def test_write_kv_and_attend(seed, decode):
 
 
 def test_smem_limit_names_the_flags():
+    # tables, lengths, query starts, block ranges, new rows' slots, and the sliding window's word
+    assert smem_bytes(2, 3, 4, 5) == 4 * (2 * 3 + 2 + 3 + 2 * 4 + 5 + 1)
     check_smem(64, 512, 512)  # 64 sequences of 8k tokens at page 16: fits
     with pytest.raises(ValueError, match="--max_model_len.*--block_size"):
         check_smem(64, 8192, 512)  # 128k tokens at page 16: 2 MiB of block tables
@@ -249,3 +326,67 @@ def test_lowers_for_tpu(model, decode):
 
     text = export_for("tpu", f, specs)
     assert TPU_CALL_TARGET in text, f"no {TPU_CALL_TARGET} in the TPU lowering:\n{text[:2000]}"
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "gemma-2b"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_lowers_for_tpu_with_window(model, decode):
+    """The window as a traced argument (a per-layer value) lowers to the Mosaic call."""
+    hq, hkv, d = MODEL_HEAD_SHAPES[model]
+    cache = jax.ShapeDtypeStruct((NUM_BLOCKS, BLOCK_SIZE, hkv, d), jnp.bfloat16)
+    specs = (jax.ShapeDtypeStruct((NUM_SEQS if decode else NUM_TOKENS, hq, d), jnp.bfloat16),
+             cache, cache, jax.ShapeDtypeStruct((NUM_SEQS, TABLE_WIDTH), jnp.int32),
+             jax.ShapeDtypeStruct((NUM_SEQS,), jnp.int32),
+             jax.ShapeDtypeStruct((NUM_SEQS + 1,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+
+    def f(q, k, v, tables, lens, qsl, window):
+        return paged_attention(q, k, v, tables, lens, qsl, decode=decode, scale=d ** -0.5, soft_cap=50.0,
+                               sliding_window=window, impl="pallas_tpu")
+
+    text = export_for("tpu", f, specs)
+    assert TPU_CALL_TARGET in text, f"no {TPU_CALL_TARGET} in the TPU lowering:\n{text[:2000]}"
+
+
+# Compiles the windowed kernel (decode, prefill, and the fused K/V write) for one v6e chip with libtpu's XLA and
+# Mosaic compilers, in a child process: the pytest process runs on the CPU, and libtpu loads in one process at a
+# time (tests/conftest.py).
+_COMPILE_FOR_V6E = textwrap.dedent("""
+    from scripts.aot_compile import set_tpu_env, tpu_devices
+    _, shape = set_tpu_env("v6e:1x1")
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.attention import paged_attention, write_kv_and_attend
+    from pallas_kernels.kernels import Kernels
+
+    device = tpu_devices("v6e:1x1", shape)[0]
+    on_chip = jax.sharding.SingleDeviceSharding(device)
+    spec = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=on_chip)
+    hq, hkv, d, bs, seqs, width, tokens = 8, 2, 128, 16, 8, 64, 256
+    cache = spec((512, bs, hkv, d), jnp.bfloat16)
+    for decode in (True, False):
+        rows = seqs if decode else tokens
+        common = (spec((seqs, width)), spec((seqs,)), spec((seqs + 1,)), spec(()))
+
+        def attend(q, k, v, tables, lens, qsl, window):
+            return paged_attention(q, k, v, tables, lens, qsl, decode=decode, scale=0.088, soft_cap=50.0,
+                                   sliding_window=window, impl="pallas_tpu", device_kind=device.device_kind)
+
+        def fused(q, k, v, k_pages, v_pages, slots, tables, lens, qsl, window):
+            return write_kv_and_attend(q, k, v, k_pages, v_pages, slots, tables, lens, qsl, decode=decode,
+                                       scale=0.088, sliding_window=window,
+                                       kernels=Kernels("tpu", "pallas_tpu", False, device.device_kind))
+
+        q = spec((rows, hq, d), jnp.bfloat16)
+        jax.jit(attend).lower(q, cache, cache, *common).compile()
+        new = spec((rows, hkv, d), jnp.bfloat16)
+        jax.jit(fused).lower(q, new, new, cache, cache, spec((rows,)), *common).compile()
+        print("compiled", "decode" if decode else "prefill", flush=True)
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (the jax 0.11 environment has it: make test-jax011)")
+def test_window_compiles_for_v6e():
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_V6E], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=900)
+    assert proc.returncode == 0 and proc.stdout.count("compiled") == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
