@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.core.invariants import check_scheduler
-from engine.core.kv_cache_manager import KVCacheManager, cdiv
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 
@@ -161,7 +161,8 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
         if n > c.max_model_len:
             raise ValueError(f"request {rid!r}: prompt of {n} tokens is longer than max_model_len={c.max_model_len}")
-        need = cdiv(min(n + request.max_tokens, c.max_model_len), c.block_size)
+        # Every block at once, as a prompt's prefill takes them (a sliding window frees some only as it goes).
+        need = self.kv.blocks_for(min(n + request.max_tokens, c.max_model_len))
         if need > self.kv.num_total:
             raise ValueError(
                 f"request {rid!r} can never fit in the KV cache: {n} prompt + {request.max_tokens} max tokens "
@@ -492,19 +493,28 @@ class Scheduler:
 
     def _pick_victim(self, step: _StepState) -> Request | None:
         """Least important, then latest arrival; never one admitted this step, and never one at least as
-        important as a pending admission (which is what admission counted on)."""
+        important as a pending admission (which is what admission counted on). A swapped request that kept its
+        shared head on the device (KVCacheManager.swap_out) is one too, evicted to recompute: swapped requests
+        sharing a head would otherwise pin it while a more important request evicts itself, step after step,
+        for want of those blocks."""
         floor = max((p.request.priority for p in step.pending), default=None)
-        candidates = [r for r in self.running
+        pinning = [r for r in self.swapped if r.block_ids]
+        candidates = [r for r in self.running + pinning
                       if r not in step.admitted and (floor is None or r.priority > floor)]
         return max(candidates, key=_order, default=None)
 
     def _evict(self, victim: Request, step: _StepState) -> str:
+        victim.num_preemptions += 1
+        if victim.status is RequestStatus.SWAPPED:  # its host copy goes too: it re-prefills later
+            self.swapped.remove(victim)
+            self._recompute(victim, step)
+            self.num_preemptions["recompute"] += 1
+            return "recompute"
         self.running.remove(victim)
         for chosen in (step.decoders, step.slot_takers):
             if victim in chosen:
                 chosen.remove(victim)
         step.plan.prefills = [c for c in step.plan.prefills if c.request is not victim]  # its chunk is off
-        victim.num_preemptions += 1
         if self.config.preemption_mode == "swap" and self._swap_out(victim, step):
             mode = "swap"
         else:

@@ -58,8 +58,9 @@ class SchedulerOutput:
     step: int
     new_requests: list[NewRequestData] = dataclasses.field(default_factory=list)
     new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # held requests' new blocks
-    # Requests that left since the last step, whose state the worker drops: finished or aborted (with any host
-    # copy of their blocks), and preempted (a swapped-out one's host copy, made by this step's swap_out, stays)
+    # Requests that left since the last step, whose state the worker drops with any host copy of their blocks:
+    # finished or aborted, and preempted (a swapped-out one's host copy is made by this step's swap_out, after;
+    # a swapped one preempted again, to recompute, loses its copy)
     finished_req_ids: list[str] = dataclasses.field(default_factory=list)
     preempted_req_ids: list[str] = dataclasses.field(default_factory=list)
     # Block copies, run before the step in this order: swap-outs first (those device blocks may be reused by the

@@ -142,8 +142,8 @@ class ModelRunner:
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diffs to the worker's requests and the decode batch (InputBatch.update); a
-        finished request's host copy of its blocks goes too."""
-        for req_id in scheduler_output.finished_req_ids:
+        finished (or swapped and now recomputed) request's host copy of its blocks goes too."""
+        for req_id in scheduler_output.finished_req_ids + scheduler_output.preempted_req_ids:
             if req_id in self.kv.swapped:
                 self._device_call("drop_swapped", req_id)
         self.input_batch.update(scheduler_output)

@@ -2,7 +2,9 @@
 every read, so a block handed to two requests, a swap that lost data, a recompute that skipped tokens or a
 prefix-cache hit on the wrong content shows up as a failed read or a changed output. Like the real worker, the
 fake one sees the scheduler's steps as plain data (SchedulerOutput) and keeps its own copy of every request,
-changed only by the step's diffs and the tokens it samples: a diff the scheduler leaves out shows up too."""
+changed only by the step's diffs and the tokens it samples: a diff the scheduler leaves out shows up too.
+Under KV cache groups (SchedulerConfig.group_windows) it keeps every group's copy of each position, and a
+sliding group's reads cover only the window: a block freed inside a window reads as the null block."""
 
 import random
 from dataclasses import dataclass, field
@@ -14,7 +16,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.input_batch import InputBatch
-from engine.worker.packing import SeqSlice, StepLayout, bucket, pack
+from engine.worker.packing import SeqSlice, StepLayout, bucket, pack, split_fields
 
 VOCAB = 64
 PHASES = ["reap", "budget", "admit", "preempt", "decode"]
@@ -48,31 +50,33 @@ class FakeWorker:
     it: that is exactly when a real model's K/V there could be reused."""
 
     block_size: int
+    group_windows: tuple[int, ...] = (0,)  # each KV cache group's sliding window (0: full attention)
     device: dict[int, list] = field(default_factory=dict)
     host: dict[str, list[list]] = field(default_factory=dict)  # request id -> its swapped-out blocks' contents
     requests: dict[str, FakeRequest] = field(default_factory=dict)
 
-    def _slot(self, request: FakeRequest, position: int) -> tuple[int, int]:
-        block = request.blocks[position // self.block_size]
+    def _slot(self, request: FakeRequest, position: int, group: int) -> tuple[int, int]:
+        block = request.blocks[position // self.block_size * len(self.group_windows) + group]
         assert block != 0, "a request reads/writes the null block"
         return block, position % self.block_size
 
     def _write(self, request: FakeRequest, position: int, keys: list[int]) -> None:
-        block, offset = self._slot(request, position)
-        self.device.setdefault(block, [None] * self.block_size)[offset] = (keys[position], request.tokens[position])
+        for g in range(len(self.group_windows)):
+            block, offset = self._slot(request, position, g)
+            self.device.setdefault(block, [None] * self.block_size)[offset] = (keys[position],
+                                                                              request.tokens[position])
 
     def _read_context(self, req_id: str, n: int, keys: list[int]) -> list[int]:
-        """The request's first n tokens as read back from the cache; each slot must hold exactly its
-        token in its context."""
+        """The request's first n tokens, each slot a query at position n reads checked to hold exactly its token
+        in its context: every position in a full group's blocks, the window's in a sliding group's."""
         request = self.requests[req_id]
-        tokens = []
-        for position in range(n):
-            block, offset = self._slot(request, position)
-            entry = self.device.get(block, [None] * self.block_size)[offset]
-            assert entry == (keys[position], request.tokens[position]), (
-                f"{req_id} position {position}: cache holds {entry}")
-            tokens.append(entry[1])
-        return tokens
+        for g, window in enumerate(self.group_windows):
+            for position in range(max(n - window + 1, 0) if window else 0, n):
+                block, offset = self._slot(request, position, g)
+                entry = self.device.get(block, [None] * self.block_size)[offset]
+                assert entry == (keys[position], request.tokens[position]), (
+                    f"{req_id} position {position} group {g}: cache holds {entry}")
+        return request.tokens[:n]
 
     def block_content(self, block: int) -> list | None:
         return self.device.get(block)
@@ -83,6 +87,7 @@ class FakeWorker:
             self.host.pop(req_id, None)
         for req_id in out.preempted_req_ids:
             self.requests.pop(req_id, None)
+            self.host.pop(req_id, None)
         for data in out.new_requests:
             self.requests[data.req_id] = FakeRequest(data.prompt_token_ids + data.output_token_ids,
                                                      list(data.block_ids))
@@ -167,12 +172,12 @@ def check_plan(sched: Scheduler, out: SchedulerOutput) -> StepPlan:
         assert r.status is RequestStatus.RUNNING and ch.start == r.num_computed_tokens and ch.length >= 1
         assert ch.start + ch.length <= r.prefill_target
         assert ch.samples == (ch.start + ch.length == r.prefill_target and not r.output_token_ids)
-        assert len(r.block_ids) == cdiv(r.prefill_target, c.block_size)
+        assert len(r.block_ids) == cdiv(r.prefill_target, c.block_size) * len(c.group_windows)
     # Every running request past its prefill decodes, in running order (Scheduler._steady reuses the list)
     assert plan.decodes == [r for r in sched.running if not r.in_prefill]
     for r in plan.decodes:
         assert r.status is RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1
-        assert len(r.block_ids) == cdiv(r.num_tokens, c.block_size)
+        assert len(r.block_ids) == cdiv(r.num_tokens, c.block_size) * len(c.group_windows)
     for r in plan.preempted:
         assert r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 and not r.block_ids
     # The plain-data step says the same, by request id
@@ -185,17 +190,25 @@ def check_plan(sched: Scheduler, out: SchedulerOutput) -> StepPlan:
     return plan
 
 
-def check_decode_rows(rows: InputBatch, plan: StepPlan, block_size: int) -> None:
+def check_decode_rows(rows: InputBatch, plan: StepPlan, block_size: int, group_windows: tuple[int, ...] = (0,)) -> None:
     """The worker's persistent decode rows, kept by the step's diffs alone, pack exactly the buffer a
-    from-scratch rebuild from the scheduler's own requests packs."""
+    from-scratch rebuild from the scheduler's own requests packs, but for the table entries the scheduler freed
+    behind a sliding window: the worker is not told (as in vLLM), and no kernel reads them."""
+    groups = len(group_windows)
     if not plan.decodes:
         rows.sync([])  # as ModelRunner._run does: the rows of requests that left go
         return
     n = bucket(len(plan.decodes))
-    layout = StepLayout(n, n, rows.tables.shape[1], n, decode=True)
+    layout = StepLayout(n, n, rows.tables.shape[1] // groups, n, decode=True, kv_groups=groups)
     rebuilt = pack([SeqSlice([r.last_token_id], r.num_tokens - 1, r.block_ids) for r in plan.decodes], layout,
                    block_size)
     persistent = rows.pack([r.request_id for r in plan.decodes], layout)
+    for buf in (rebuilt, persistent):
+        tables = split_fields(buf, layout)["block_tables"].reshape(n, -1)
+        for row, r in enumerate(plan.decodes):
+            for g, window in enumerate(group_windows):
+                behind = (r.num_tokens - 1 - window + 1) // block_size if window else 0
+                tables[row, g:behind * groups:groups] = 0
     assert persistent.tobytes() == rebuilt.tobytes(), f"step {plan.step}: the persistent decode rows differ"
     assert len(rows) == len(plan.decodes)
 
@@ -227,11 +240,12 @@ def check_cache_contents(sched: Scheduler, worker: FakeWorker, seen: dict[bytes,
     """The hash table agrees with what the blocks hold: a cached block held by a request holds exactly that
     request's tokens (in their context) at its position, and every cached block, held or free, holds what
     it held when its hash was first seen (`seen`: hash -> block content, kept across steps)."""
-    pool, size = sched.kv.device_pool, sched.config.block_size
+    pool, size, groups = sched.kv.device_pool, sched.config.block_size, sched.kv.num_groups
     for r in sched.running + sched.swapped:
         keys, tokens = context_keys(r.all_token_ids), r.all_token_ids
-        for i, block in enumerate(r.block_ids):
-            block_hash = pool.block_hash(block)
+        for entry, block in enumerate(r.block_ids):
+            i = entry // groups
+            block_hash = pool.block_hash(block) if block else None
             if block_hash is not None:
                 span = range(i * size, (i + 1) * size)
                 assert worker.block_content(block) == [(keys[p], tokens[p]) for p in span], (
@@ -239,7 +253,9 @@ def check_cache_contents(sched: Scheduler, worker: FakeWorker, seen: dict[bytes,
                 seen.setdefault(block_hash, list(worker.block_content(block)))
     for block_hash, block in pool._cached.items():
         assert pool.block_hash(block) == block_hash
-        assert worker.block_content(block) == seen[block_hash], f"cached block {block} changed content"
+        # (A sliding group's block may be published and freed behind its window in one update: first seen free.)
+        assert worker.block_content(block) == seen.setdefault(block_hash, list(worker.block_content(block))), (
+            f"cached block {block} changed content")
 
 
 @dataclass
@@ -258,8 +274,9 @@ class Run:
 def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]] | None = None,
         max_steps: int = 5000) -> Run:
     """Drive scheduler + fake worker to completion, checking the plan and all invariants every step."""
-    sched, worker, aborts = Scheduler(config), FakeWorker(config.block_size), aborts or {}
-    decode_rows = InputBatch({}, config.max_num_seqs, cdiv(config.max_model_len, config.block_size),
+    sched, worker, aborts = Scheduler(config), FakeWorker(config.block_size, config.group_windows), aborts or {}
+    groups = len(config.group_windows)
+    decode_rows = InputBatch({}, config.max_num_seqs, cdiv(config.max_model_len, config.block_size) * groups,
                              config.block_size, config.max_model_len)
     requests, rejected, plans, cache_seen = {}, [], [], {}
     first_scheduled, finished_at, chunks = {}, {}, []
@@ -285,7 +302,7 @@ def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]]
         out = sched.schedule()
         plan = check_plan(sched, out)
         decode_rows.update(out)
-        check_decode_rows(decode_rows, plan, config.block_size)
+        check_decode_rows(decode_rows, plan, config.block_size, config.group_windows)
         plans.append(plan)
         for ch in plan.prefills:
             first_scheduled.setdefault(ch.request.request_id, step)

@@ -274,3 +274,67 @@ def test_server_metrics_count_prefix_cache_queries_and_hits():
     assert 'ferry:prefix_cache_queries_total{model_name="m"} 26.0' in text
     assert 'ferry:prefix_cache_hits_total{model_name="m"} 12.0' in text
     assert 'ferry:prefix_cache_hit_rate{model_name="m"} ' + str(12 / 26) in text
+
+
+# ------------------------------------------------------------------ KV cache groups and sliding windows
+
+def test_sliding_group_holds_about_a_window_and_its_hits_need_every_group():
+    """Groups (full, sliding 10): a request holds a block id of each group per logical block; as it advances,
+    the sliding group's blocks wholly behind the next query's window go back to the pool (null entries) while
+    the full group's stay. A second request with the same prompt hits only where every group's copy is cached,
+    and then frees its own sliding hits behind the window at once."""
+    kv = KVCacheManager(num_blocks=200, num_host_blocks=0, block_size=BLOCK, group_windows=(0, 10))
+    prompt = random_tokens(41, 0)
+    a = make_request("a", prompt)
+    admit(kv, a)
+    assert len(a.block_ids) == 2 * 11  # 41 tokens: 11 logical blocks, two ids each
+    compute_prefill(kv, a)
+    kv.free_behind_window(a)
+    # The next query (position 41) sees keys 32..41: logical blocks 0-7 (positions < 32) are behind it.
+    behind = (41 - 10 + 1) // BLOCK
+    assert behind == 8
+    assert a.block_ids[1:2 * behind:2] == [0] * behind and 0 not in a.block_ids[0::2]
+    assert 0 not in a.block_ids[2 * behind + 1::2]
+    assert kv.num_free == kv.num_total - (22 - behind)
+    check(kv, a)
+    for _ in range(40):  # decode on: the sliding group stays at about a window of blocks
+        a.num_computed_tokens = a.num_tokens
+        a.append_output(5, 10_000)
+        if kv.needs_decode_slot(a):
+            assert kv.allocate_decode_slots([a])
+        kv.publish_computed(a)
+        kv.free_behind_window(a)
+    sliding_held = sum(b != 0 for b in a.block_ids[1::2])
+    assert sliding_held <= 10 // BLOCK + 2 and sum(b != 0 for b in a.block_ids[0::2]) == len(a.block_ids) // 2
+    check(kv, a)
+    # Same prompt: blocks 0-7 of the sliding group were freed but stay cached (evictable): full hits.
+    b = make_request("b", prompt)
+    hits = admit(kv, b)
+    assert len(hits) == 2 * 10  # (41 - 1) // 4 logical blocks, both groups
+    # Its sliding hits behind its next query's window (position 40: keys 31..40) went back at once.
+    assert b.block_ids[1::2] == [0] * 7 + hits[15::2] + b.block_ids[21::2] and 0 not in b.block_ids[15::2]
+    check(kv, a, b)
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free == kv.num_total
+
+
+def test_swap_of_a_windowed_request_copies_only_live_blocks():
+    kv = KVCacheManager(num_blocks=100, num_host_blocks=100, block_size=BLOCK, group_windows=(0, 6),
+                        enable_prefix_caching=False)
+    a = make_request("a", random_tokens(30, 1))
+    admit(kv, a)
+    compute_prefill(kv, a)
+    kv.free_behind_window(a)
+    entries = list(a.block_ids)
+    live = [b for b in entries if b != 0]
+    moved, host = kv.swap_out(a)
+    assert moved == live and len(host) == len(live) and not a.block_ids
+    assert len(a.host_block_ids) == len(entries)  # aligned, the freed entries marked
+    a.status = RequestStatus.SWAPPED
+    check(kv, a)
+    host_ids, device_ids = kv.swap_in(a)
+    assert host_ids == host and len(device_ids) == len(live)
+    assert [b == 0 for b in a.block_ids] == [b == 0 for b in entries]
+    kv.release_host_blocks(host_ids)
+    check(kv, a)

@@ -230,15 +230,22 @@ SMALL = dict(num_blocks=34, max_num_batched_tokens=128, chunk_size=32)  # 33 blo
     ("chunk16", dict(num_blocks=60, chunk_size=16)),
     ("chunk64", dict(num_blocks=60, chunk_size=64)),
     ("whole_prompt", dict(num_blocks=60, chunk_size=None)),
+    # KV cache groups: a full and a sliding group, every layer sliding; with preemption and prefix caching
+    ("windows", dict(num_blocks=120, chunk_size=16, group_windows=(0, 11))),
+    ("windows_swap", dict(num_blocks=100, max_num_batched_tokens=128, chunk_size=32, group_windows=(0, 11, 11),
+                          preemption_mode="swap", num_host_blocks=400)),
+    ("windows_recompute", dict(num_blocks=68, max_num_batched_tokens=128, chunk_size=32, group_windows=(0, 11),
+                               preemption_mode="recompute")),
+    ("all_sliding", dict(num_blocks=60, chunk_size=16, group_windows=(9,))),
 ])
 def test_outputs_identical_across_cache_sizes_modes_and_chunks(name, overrides):
     specs = mixed_specs()
     result = run(config(**overrides), specs)
     assert result.outputs == {s.rid: reference(s, 256) for s in specs}
     preemptions = result.sched.num_preemptions
-    if name == "swap":
+    if name in ("swap", "windows_swap"):
         assert preemptions["swap"] > 0 and preemptions["recompute"] == 0
-    if name == "recompute":
+    if name in ("recompute", "windows_recompute"):
         assert preemptions["recompute"] > 0 and preemptions["swap"] == 0
     if name == "swap_host_full":
         assert preemptions["swap"] > 0 and result.sched.num_swap_fallbacks > 0 and preemptions["recompute"] > 0
@@ -365,6 +372,21 @@ def test_host_blocks_of_a_swap_in_are_not_reused_by_a_same_step_swap_out():
         assert (request.output_token_ids, request.finish_reason) == reference(spec, 128)
 
 
+def test_swapped_requests_sharing_a_head_do_not_pin_it():
+    """Two swapped requests kept their shared head on the device (6 of 17 blocks); a more important request
+    then needs every other block. Without evicting them again (to recompute) it evicted itself every step."""
+    cfg = SchedulerConfig(num_blocks=18, block_size=2, max_num_seqs=4, max_num_batched_tokens=15, max_model_len=58,
+                          chunk_size=3, watermark_blocks=1, preemption_mode="swap", num_host_blocks=17)
+    specs = [Spec("r0", 10, 9, 21, 0, (3,)), Spec("r1", 5, 6, 12, 2, (3,), shared=1),
+             Spec("r2", 2, 18, 21, 2, shared=12), Spec("r3", 9, 13, 6, 0, shared=12, salt="tenant"),
+             Spec("r4", 9, 15, 18, 0, shared=4, group=1, salt="tenant"), Spec("r5", 5, 11, 16, 1, shared=8),
+             Spec("r6", 12, 9, 17, 1, (3,), shared=6), Spec("r7", 12, 11, 9, 2, salt="tenant"),
+             Spec("r8", 12, 10, 24, 2, (3,), shared=10, group=1), Spec("r9", 8, 15, 4, 2, shared=6),
+             Spec("r10", 10, 52, 21, 1, shared=39, group=1), Spec("r11", 3, 61, 8, 0)]
+    result = run(cfg, specs, {5: ["r1"]}, max_steps=2000)
+    assert all(result.outputs[s.rid] == reference(s, 58) for s in specs if s.rid not in result.rejected + ["r1"])
+
+
 def test_no_starvation_under_a_steady_stream():
     cfg = SchedulerConfig(num_blocks=33, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                           max_model_len=128, chunk_size=16)
@@ -392,8 +414,9 @@ def make_workload(integer, choice):
         max_num_batched_tokens=integer(max_num_seqs, 48), max_model_len=integer(8, 96),
         chunk_size=choice([None, 1, 3, 8, 16]), watermark_blocks=integer(0, 2),
         preemption_mode=choice(["swap", "recompute"]), num_host_blocks=integer(0, 30),
-        enable_prefix_caching=choice([True, True, False]))
-    fits = min(cfg.max_model_len, (cfg.num_blocks - 1) * block_size)
+        enable_prefix_caching=choice([True, True, False]),
+        group_windows=choice([(0,), (0,), (0, 5), (7,), (0, 3, 3)]))  # KV cache groups: full and sliding
+    fits = min(cfg.max_model_len, (cfg.num_blocks - 1) // len(cfg.group_windows) * block_size)
     specs = []
     for i in range(integer(1, 12)):
         prompt_len = integer(1, cfg.max_model_len + 8) if integer(0, 4) == 0 else integer(1, max(1, fits * 2 // 3))
@@ -412,7 +435,8 @@ def check_random_workload(cfg: SchedulerConfig, specs: list[Spec], aborts: dict[
     usable = cfg.num_blocks - 1
     for s in specs:
         never_fits = (s.prompt_len > cfg.max_model_len
-                      or cdiv(min(s.prompt_len + s.max_tokens, cfg.max_model_len), cfg.block_size) > usable)
+                      or cdiv(min(s.prompt_len + s.max_tokens, cfg.max_model_len), cfg.block_size)
+                      * len(cfg.group_windows) > usable)
         assert (s.rid in result.rejected) == never_fits
     aborted = {rid for rids in aborts.values() for rid in rids}
     for s in specs:
@@ -463,8 +487,23 @@ def test_seeded_random_workloads_cover_every_path(monkeypatch):
             seen["swap of shared blocks only"] += 1
         return swap
 
+    original_behind = KVCacheManager.free_behind_window
+
+    def counting_behind(self, request):
+        free = self.num_free
+        original_behind(self, request)
+        seen["block freed behind a window"] += self.num_free - free
+
+    original_evict = Scheduler._evict
+
+    def counting_evict(self, victim, step):
+        seen["swapped request evicted again"] += victim.status is RequestStatus.SWAPPED
+        return original_evict(self, victim, step)
+
     monkeypatch.setattr(Scheduler, "abort", counting_abort)
     monkeypatch.setattr(KVCacheManager, "swap_out", counting_swap_out)
+    monkeypatch.setattr(KVCacheManager, "free_behind_window", counting_behind)
+    monkeypatch.setattr(Scheduler, "_evict", counting_evict)
     for seed in range(300):
         rng = random.Random(seed)
         result = check_random_workload(*make_workload(rng.randint, rng.choice))
@@ -474,5 +513,6 @@ def test_seeded_random_workloads_cover_every_path(monkeypatch):
         seen["over-commit"] += sum(len(dict(p.trace)["admit"]["pending"]) for p in result.plans)
         seen["prefix hit"] += result.sched.stats()["prefix_cache_hits"]
     for path in ("swap", "recompute", "swap fallback", "over-commit", "abort waiting", "abort mid-prefill",
-                 "abort running", "abort swapped", "prefix hit", "swap keeping a shared head"):
+                 "abort running", "abort swapped", "prefix hit", "swap keeping a shared head",
+                 "block freed behind a window", "swapped request evicted again"):
         assert seen[path] > 0, f"no {path} in the sweep: {dict(seen)}"
