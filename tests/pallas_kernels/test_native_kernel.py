@@ -24,11 +24,13 @@ from helpers.attention_cases import (
     assert_zero_rows,
     check_close,
     check_prefill,
+    check_window_decode,
+    check_window_prefill,
     decode_inputs,
-    drop_blocks_before_window,
     prefill_batch,
     prefill_inputs,
     run_poisoned,
+    under_layer_scan,
 )
 from pallas_kernels.native import library
 from pallas_kernels.native import ops as native
@@ -239,28 +241,17 @@ def test_prefill_of_one_token_chunks_is_decode(seed, dtype, attention_tiles):
 # ----------------------------------------------------------------------------- sliding window
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("window,prefixes,chunks", WINDOW_PREFILLS)
+@pytest.mark.parametrize("window,prefixes,chunks", WINDOW_PREFILLS + [(0, (0, 30), (13, 4))])
 def test_sliding_window_matches_reference(seed, dtype, window, prefixes, chunks, attention_tiles):
-    """A window (traced, as the layer scan passes it) in prefill and decode, the table entries wholly before
-    it garbage (the KV cache manager frees those blocks); window 0 is none."""
+    """A window (traced in a layer scan, as the model passes it) in prefill and decode, the table entries wholly
+    before it garbage (the KV cache manager frees those blocks); window 0 is none. Windows run on the vector
+    tiles (AttentionTiles), whatever the CPU."""
     rng = np.random.default_rng(seed)
-    bs = 8
-    q, k, v, tables, lens, qsl = prefill_inputs(rng, prefixes, chunks, num_padding=3, num_q_heads=4,
-                                                num_kv_heads=2, head_dim=64, block_size=bs, dtype=dtype)
-    dropped = drop_blocks_before_window(rng, tables, lens, chunks, window, bs)
-    prefill = jax.jit(functools.partial(paged_prefill_attention_native, scale=0.125, soft_cap=20.0))
-    ref = paged_prefill_attention_ref(q, k, v, tables, lens, qsl, scale=0.125, soft_cap=20.0, sliding_window=window)
-    check_close(prefill(q, k, v, dropped, lens, qsl, sliding_window=jnp.int32(window)), ref, dtype, seed,
-                "windowed prefill")
-    check_close(prefill(q, k, v, tables, lens, qsl, sliding_window=jnp.int32(0)),
-                paged_prefill_attention_ref(q, k, v, tables, lens, qsl, scale=0.125, soft_cap=20.0), dtype, seed,
-                "window 0")
-    decode = jax.jit(functools.partial(paged_decode_attention_native, scale=0.125))
-    q1 = q[:len(prefixes)]
-    dropped = drop_blocks_before_window(rng, tables, lens, [1] * len(prefixes), window, bs)
-    check_close(decode(q1, k, v, dropped, lens, sliding_window=jnp.int32(window)),
-                paged_decode_attention_ref(q1, k, v, tables, lens, scale=0.125, sliding_window=window), dtype, seed,
-                "windowed decode")
+    shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8, dtype=dtype, scale=0.125, soft_cap=20.0)
+    check_window_prefill(seed, rng, prefixes, chunks, window, under_layer_scan(paged_prefill_attention_native),
+                         num_padding=3, what="native prefill", **shape)
+    check_window_decode(seed, rng, [p + c for p, c in zip(prefixes, chunks)], window,
+                        under_layer_scan(paged_decode_attention_native), what="native decode", **shape)
 
 
 # ----------------------------------------------------------------------------- API and build
