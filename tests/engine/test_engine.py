@@ -1,5 +1,8 @@
 """The engine end to end on a real (small, random) checkpoint: scheduler + runner + jitted steps."""
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -12,6 +15,7 @@ from engine.worker.compilation import CompileCounter
 from helpers.hf_models import check_greedy_match, hf_greedy, make_hf_model
 from models.config import ModelConfig
 from models.loading import load_model, random_model
+from models.paged import kv_cache_groups
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +287,87 @@ def test_lazy_warmup_compiles_the_full_sampler_in_the_background():
     while engine.has_unfinished():
         engine.step()
     assert counter.count - before == 0, f"{counter.count - before} compilations after warm-up"
+
+
+def _counting_window_frees(engine: LLMEngine) -> list[int]:
+    """A one-item list counting the blocks the engine's KV cache manager frees behind windows from now on."""
+    kv, freed = engine.scheduler.kv, [0]
+    original = kv.free_behind_window
+
+    def counting(request):
+        free = kv.num_free
+        original(request)
+        freed[0] += kv.num_free - free
+
+    kv.free_behind_window = counting
+    return freed
+
+
+def _run_with_a_late_urgent_request(loaded, workload, urgent, **config) -> tuple[list[list[int]], dict, int]:
+    """The workload at priority 1, then, three steps in, `urgent` at priority 0: its prompt needs every block
+    of the cache, so it preempts whatever runs. Returns (the outputs in order, the scheduler's stats, blocks
+    freed behind windows)."""
+    engine = LLMEngine(loaded, EngineConfig(block_size=8, max_num_seqs=8, **config))
+    freed = _counting_window_frees(engine)
+    ids = [engine.add_request(None, p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, priority=1),
+                              final_only=True) for p, m in workload]
+    outputs = {}
+    for _ in range(3):
+        outputs |= {o.request_id: o for o in engine.step() if o.finished}
+    ids.append(engine.add_request(None, urgent[0], _greedy(urgent[1]), final_only=True))
+    while engine.has_unfinished():
+        outputs |= {o.request_id: o for o in engine.step() if o.finished}
+    return [outputs[i].outputs[0].token_ids for i in ids], engine.scheduler.stats(), freed[0]
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("mistral", dict(sliding_window=8)),  # every layer sliding: one KV cache group
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),  # a full and a sliding group
+])
+def test_sliding_window_models_give_transformers_tokens(tmp_path, arch, overrides):
+    """Windows of 8 tokens, prompts and outputs far past them: with ample blocks, chunked prefill and prefix
+    caching (second turns resending a first turn), and under swap and recompute preemption (a late urgent
+    request needing the whole cache), greedy tokens equal transformers' (ties excepted, reported); blocks behind
+    the window go back to the pool as requests run; and the same checkpoint without its window gives other
+    tokens (the window is what is tested)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    torch_model = make_hf_model(arch, tmp_path, seed=seed, **overrides)
+    loaded = load_model(str(tmp_path))
+    assert 8 in loaded.cfg.layer_windows
+    groups = kv_cache_groups(loaded.cfg).num_groups
+    vocab = loaded.cfg.vocab_size
+    workload = _workload(seed, vocab, n=6)  # at most 40 + 40 tokens each
+    second_turns = [(p + p[:9], 12) for p, _ in workload[:3]]  # a cached first turn, crossing windows
+    urgent = (np.random.default_rng(seed).integers(3, vocab, size=79).tolist(), 1)
+    ties = []
+
+    def check(name, requests, outputs):
+        for i, ((prompt, max_tokens), tokens) in enumerate(zip(requests, outputs)):
+            tie = check_greedy_match(tokens, *hf_greedy(torch_model, prompt, max_tokens))
+            if tie:
+                ties.append(f"{name} request {i}: {tie}")
+
+    for name, config in {"ample": dict(num_blocks=256, max_num_batched_tokens=512),
+                         "chunk16": dict(num_blocks=256, chunk_size=16, max_num_batched_tokens=64)}.items():
+        llm = LLM(loaded, EngineConfig(block_size=8, max_num_seqs=8, **config))
+        freed = _counting_window_frees(llm.engine)
+        outputs = [o.outputs[0].token_ids for turns in (workload, second_turns) for o in llm.generate(
+            [p for p, _ in turns], [_greedy(m) for _, m in turns], use_tqdm=False)]
+        check(name, workload + second_turns, outputs)
+        assert llm.engine.scheduler.stats()["prefix_cache_hits"] > 0 and freed[0] > 0, (name, seed)
+    for mode in ("swap", "recompute"):
+        outputs, stats, freed = _run_with_a_late_urgent_request(
+            loaded, workload, urgent, num_blocks=1 + 10 * groups, max_num_batched_tokens=512, preemption_mode=mode)
+        check(mode, workload + [urgent], outputs)
+        assert stats["preemptions"][mode] > 0 and freed > 0, (mode, seed, stats)
+    plain_dir = tmp_path / "no_window"
+    shutil.copytree(tmp_path, plain_dir, ignore=shutil.ignore_patterns("no_window"))
+    config = json.loads((plain_dir / "config.json").read_text())
+    config |= dict(sliding_window=None, layer_types=["full_attention"] * config["num_hidden_layers"])
+    (plain_dir / "config.json").write_text(json.dumps(config))
+    unwindowed = LLM(load_model(str(plain_dir)), EngineConfig(block_size=8, max_num_seqs=8, num_blocks=256))
+    plain = [o.outputs[0].token_ids for o in unwindowed.generate(
+        [p for p, _ in workload], [_greedy(m) for _, m in workload], use_tqdm=False)]
+    assert plain != outputs[:len(workload)]
+    if ties:
+        print(f"{arch} seed {seed}: accepted ties:", *ties, sep="\n  ")
