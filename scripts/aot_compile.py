@@ -158,6 +158,7 @@ def main(argv=None):
     from engine.worker.kv_cache import gather_blocks, scatter_blocks  # noqa: PLC0415
     from models.loading import read_checkpoint  # noqa: PLC0415
     from models.mesh import kv_cache_sharding, make_mesh  # noqa: PLC0415
+    from models.paged import kv_cache_groups  # noqa: PLC0415
     from models.sharding import check_tensor_parallel  # noqa: PLC0415
     from models.transformer import StaticGraphDef  # noqa: PLC0415
     from pallas_kernels.kernels import Kernels  # noqa: PLC0415
@@ -174,25 +175,29 @@ def main(argv=None):
     kv_dtype = jnp.dtype(args.kv_cache_dtype or args.dtype)
     max_model_len = min(args.max_model_len, checkpoint.max_model_len)
     width = math.ceil(max_model_len / args.block_size)
-    num_blocks = args.num_blocks or 1 + args.max_num_seqs * width
+    groups = kv_cache_groups(cfg)
+    num_blocks = args.num_blocks or 1 + args.max_num_seqs * width * groups.num_groups
     kernels = Kernels.for_mesh(mesh, dtype, kv_dtype)
     kernels.check_step_limits(args.max_num_seqs, width, max(args.max_num_batched_tokens, args.max_num_seqs))
-    buckets = Buckets.make(args.max_num_seqs, max(args.max_num_batched_tokens, args.max_num_seqs), width)
-    def cache_spec(num_layers):
+    buckets = Buckets.make(args.max_num_seqs, max(args.max_num_batched_tokens, args.max_num_seqs), width,
+                           kv_groups=groups.num_groups)
+    def cache_spec(num_slots):
         spec = jax.ShapeDtypeStruct(
-            (num_layers, num_blocks, args.block_size, *kernels.kv_page_dims(cfg.num_kv_heads, cfg.head_dim, kv_dtype,
-                                                                            tp)),
+            (num_slots, num_blocks, args.block_size, *kernels.kv_page_dims(cfg.num_kv_heads, cfg.head_dim, kv_dtype,
+                                                                           tp)),
             kv_dtype, sharding=kv_cache_sharding(mesh))
         return spec, spec
 
-    cache = cache_spec(cfg.num_layers)
+    cache = cache_spec(groups.num_slots)
     kv_spec = cache[0]
     fed = jax.ShapeDtypeStruct((buckets.decode_batch[-1],), jnp.int32, sharding=NamedSharding(mesh, P()))
     graphdef, state = abstract_params(cfg, dtype, mesh, tp, scan=True)
     graphdef = StaticGraphDef.of(graphdef)
-    # the model cut to one and two layers, unrolled: the decode programs' costs (see the docstring)
+    # the model cut to one and two layers, unrolled: the decode programs' costs (see the docstring); full attention
+    # (one KV cache group) in both, whatever the model's windows
     unrolled = None if args.no_costs else [
-        abstract_params(dataclasses.replace(cfg, num_layers=n), dtype, mesh, tp, scan=False) for n in (1, 2)]
+        abstract_params(dataclasses.replace(cfg, num_layers=n, sliding_window=None, layer_types=()), dtype, mesh, tp,
+                        scan=False) for n in (1, 2)]
     weight_bytes = shard_bytes(jax.tree.leaves(state))
     kv_bytes = 2 * shard_bytes([kv_spec])
     print(f"{cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
@@ -239,8 +244,10 @@ def main(argv=None):
             cost_fn = None
             ideal = None
             if unrolled is not None and (layout.decode or args.programs != "all"):
-                def cost_fn(step=step):
-                    one, two = (costs(step(StaticGraphDef.of(g), s, cache_spec(n)))
+                def cost_fn(layout=layout, mode=mode):
+                    one_group = dataclasses.replace(layout, kv_groups=1)
+                    one, two = (costs(compile_step(StaticGraphDef.of(g), s, cache_spec(n), fed, one_group, mode,
+                                                   kernels, mesh, args.block_size, cfg.vocab_size))
                                 for n, (g, s) in zip((1, 2), unrolled))
                     return {k: one[k] + (cfg.num_layers - 1) * (two[k] - one[k]) for k in one}
             if layout.decode:
@@ -250,7 +257,7 @@ def main(argv=None):
             run(name, lambda step=step: step(graphdef, state), cost_fn, ideal)
     for n in buckets.swap_blocks:
         ids = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=NamedSharding(mesh, P()))
-        blocks = jax.ShapeDtypeStruct((cfg.num_layers, n, *kv_spec.shape[2:]), kv_dtype, sharding=kv_spec.sharding)
+        blocks = jax.ShapeDtypeStruct((groups.num_slots, n, *kv_spec.shape[2:]), kv_dtype, sharding=kv_spec.sharding)
         with jax.set_mesh(mesh):
             run(f"swap-out {n} blocks", lambda ids=ids: gather_blocks.lower(cache, ids).compile())
             run(f"swap-in {n} blocks",

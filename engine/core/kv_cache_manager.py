@@ -118,16 +118,27 @@ class KVCacheManager:
     def cached_prefix(self, request: Request) -> list[int]:
         """The published blocks holding the request's leading tokens, as long a run as exists but leaving at
         least the last token of its prefill target to compute. Changes nothing (hashes aside). A request
-        scoring its prompt gets none (as in vLLM): every prompt position must run to be scored."""
+        scoring its prompt gets none (as in vLLM): every prompt position must run to be scored. Under KV cache
+        groups a run needs each logical block in every full-attention group, but in a sliding group only the
+        blocks the window of the first computed position reads: the entries behind it are the null block, as
+        free_behind_window would leave them."""
         if not self.enable_prefix_caching or request.block_ids or request.host_block_ids or request.scores_prompt:
             return []
-        hits = []
+        groups, sliding, pool = self.num_groups, self.sliding_groups, self.device_pool
+        found = []  # per logical block of the run: its cached id in each group (None: not cached)
         for block_hash in self._block_hashes(request, (request.prefill_target - 1) // self.block_size):
-            block_ids = [self.device_pool.cached_block(self._group_key(block_hash, g)) for g in range(self.num_groups)]
-            if None in block_ids:
+            block_ids = [pool.cached_block(self._group_key(block_hash, g)) for g in range(groups)]
+            if any(block_ids[g] is None for g in range(groups) if g not in sliding):
                 break
-            hits += block_ids
-        return hits
+            found.append(block_ids)
+        if not sliding:
+            return [b for block_ids in found for b in block_ids]
+        for n in range(len(found), 0, -1):  # the longest run whose sliding groups hold their window
+            first = max(n * self.block_size - self.window + 1, 0) // self.block_size
+            if all(found[i][g] is not None for i in range(first, n) for g in sliding):
+                return [NULL_BLOCK if g in sliding and i < first else b
+                        for i, block_ids in enumerate(found[:n]) for g, b in enumerate(block_ids)]
+        return []
 
     @staticmethod
     def _group_key(block_hash: bytes, group: int) -> bytes:
@@ -142,13 +153,13 @@ class KVCacheManager:
             return (sum(h != NO_HOST_BLOCK for h in request.host_block_ids)
                     + self.needs_decode_slot(request) * self.num_groups)
         new = self.blocks_for(request.prefill_target) - len(request.block_ids) - len(hits)
-        return new + sum(self.device_pool.ref_count(b) == 0 for b in hits)
+        return new + sum(self.device_pool.ref_count(b) == 0 for b in hits if b != NULL_BLOCK)
 
     def take_prefix(self, request: Request, hits: list[int]) -> None:
         """Admit a waiting request's cache hits: it holds them and starts computing after them."""
         if request.block_ids or request.status is not RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id!r}: only a waiting request without blocks takes hits")
-        self.device_pool.touch(hits)
+        self.device_pool.touch([b for b in hits if b != NULL_BLOCK])
         request.block_ids = list(hits)
         request.num_computed_tokens = len(hits) // self.num_groups * self.block_size
         self._num_published[request.request_id] = len(hits) // self.num_groups

@@ -120,3 +120,24 @@ def test_benchmark_structured(tmp_path):
     assert not free["constrained"] and constrained["constrained"]
     assert free["output_tokens"] > 0 and constrained["output_tokens"] > 0 and constrained["tokens_per_s"] > 0
     assert result["compile"]["schema_compile_ms"] > 0
+
+
+def test_kv_cache_usage(tmp_path):
+    """A config-only checkpoint whose layers alternate sliding (window 32) and full attention: after a 512-token
+    prefill the windows hold about half the blocks the same model holds without them."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, use_sliding_window=True,
+        sliding_window=32, max_window_layers=2)))
+    out = tmp_path / "usage.json"
+    stdout = _run(["scripts/kv_cache_usage.py", f"--model={model}", "--context=512", "--chunk=64", "--decode=8",
+                   "--block_size=16", f"--json_out={out}"], tmp_path)
+    assert "prefilled GiB" in stdout
+    windows, plain = json.load(open(out))
+    assert (windows["groups"], windows["slots"], plain["groups"], plain["slots"]) == (2, 2, 1, 4)
+    assert plain["after_prefill_blocks"] == 512 // 16 and windows["peak_blocks"] == 2 * (512 // 16)
+    # 32 full-attention blocks + the sliding group's window (32 tokens: 2-3 blocks), each id 2 layers' pages
+    assert windows["after_prefill_blocks"] <= 32 + 4
+    assert windows["after_prefill_gib"] < 0.6 * plain["after_prefill_gib"]

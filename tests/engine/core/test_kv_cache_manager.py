@@ -338,3 +338,28 @@ def test_swap_of_a_windowed_request_copies_only_live_blocks():
     assert [b == 0 for b in a.block_ids] == [b == 0 for b in entries]
     kv.release_host_blocks(host_ids)
     check(kv, a)
+
+
+def test_a_hit_needs_only_the_sliding_blocks_of_its_window():
+    """The first request's sliding blocks behind its window are freed and then evicted (their space was needed);
+    a second request over the same 44 tokens still hits all 11 logical blocks: the full group's, and of the
+    sliding group only those the window of its first computed position (44) reads; the rest are null."""
+    kv = KVCacheManager(num_blocks=1 + 2 * 11, num_host_blocks=0, block_size=BLOCK, group_windows=(0, 10))
+    prompt = random_tokens(44, 3)
+    a = make_request("a", prompt)
+    admit(kv, a)
+    compute_prefill(kv, a)
+    kv.free_behind_window(a)  # the next query (44) sees keys 35..44: sliding blocks 0-7 go
+    assert kv.num_free == 8
+    filler = make_request("filler", random_tokens(16, 4))  # 4 logical blocks: 8 ids
+    kv.take_prefix(filler, [])
+    assert kv.allocate_prefill(filler) is not None  # takes (evicts) exactly those 8
+    kv.free(filler)
+    b = make_request("b", prompt + random_tokens(5, 5))
+    hits = kv.cached_prefix(b)
+    assert len(hits) == 2 * 11
+    assert hits[0::2] == a.block_ids[0::2] and hits[1::2] == [0] * 8 + a.block_ids[17::2]
+    assert kv.admission_cost(b, hits) == 2 * 13 - 2 * 11
+    kv.take_prefix(b, hits)
+    assert b.num_computed_tokens == 44
+    check(kv, a, b)
