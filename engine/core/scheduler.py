@@ -443,10 +443,11 @@ class Scheduler:
         return True
 
     def _reclaimable_blocks(self, request: Request, step: _StepState, hits: list[int]) -> int:
-        """Over-commit: blocks that evicting the running requests less important than `request` surely
-        frees (requests admitted this step are never evicted). Only blocks a victim holds alone count, and
-        not `request`'s own cache hits: a shared block outlives its victim."""
-        victims = [r for r in self.running if r.priority > request.priority and r not in step.admitted]
+        """Over-commit: blocks that evicting the requests less important than `request` surely frees: running ones
+        and swapped ones' kept heads (_pick_victim; requests admitted this step are never evicted). Only blocks a
+        victim holds alone count, and not `request`'s own cache hits: a shared block outlives its victim."""
+        victims = [r for r in self.running + self.swapped
+                   if r.priority > request.priority and r not in step.admitted and r.block_ids]
         return self.kv.num_held_alone(victims, exclude=hits)
 
     def _start(self, request: Request, chunk_length: int, step: _StepState) -> None:

@@ -174,40 +174,81 @@ def _shared_prefix_workload(seed, vocab, n=10, system_len=44):
     return [(p, int(rng.integers(12, 30))) for p in prompts]
 
 
+def _counting_window_frees(engine: LLMEngine) -> list[int]:
+    """A one-item list counting the blocks the engine's KV cache manager frees behind windows from now on."""
+    kv, freed = engine.scheduler.kv, [0]
+    original = kv.free_behind_window
+
+    def counting(request):
+        free = kv.num_free
+        original(request)
+        freed[0] += kv.num_free - free
+
+    kv.free_behind_window = counting
+    return freed
+
+
+def _urgent_request(engine: LLMEngine, seed: int) -> tuple[list[int], int]:
+    """A prompt (and 1 token to generate) that needs every block of the engine's cache."""
+    kv = engine.scheduler.kv
+    length = kv.num_total // kv.num_groups * kv.block_size - 1
+    return np.random.default_rng(seed).integers(3, engine.model.cfg.vocab_size, size=length).tolist(), 1
+
+
+def _generate_with_a_late_urgent_request(engine: LLMEngine, workload, urgent) -> list[list[int]]:
+    """The workload at priority 1, then, three steps in, `urgent` (_urgent_request) at priority 0, which preempts
+    whatever runs: a preemption whatever the workload's lengths. Returns the outputs, the urgent one's last."""
+    ids = [engine.add_request(None, p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, priority=1),
+                              final_only=True) for p, m in workload]
+    outputs = {}
+    for _ in range(3):
+        outputs |= {o.request_id: o for o in engine.step() if o.finished}
+    ids.append(engine.add_request(None, urgent[0], _greedy(urgent[1]), final_only=True))
+    while engine.has_unfinished():
+        outputs |= {o.request_id: o for o in engine.step() if o.finished}
+    return [outputs[i].outputs[0].token_ids for i in ids]
+
+
 @pytest.mark.parametrize("mode", ["ample", "swap", "recompute"])
 def test_prefix_caching_on_and_off_give_transformers_tokens(checkpoint, mode):
     """Shared-prefix prompts, then second turns that resend prompt + answer + a new message: greedy tokens
     with prefix caching on equal those with it off and transformers' (ties excepted, reported), with
-    ample blocks and under forced swap / recompute preemption. The cache must actually be hit."""
+    ample blocks and under forced swap / recompute preemption (a cache of what the longest request needs, and
+    in each turn a late urgent request needing all of it). The cache must actually be hit."""
     seed, torch_model, loaded = checkpoint
     vocab = loaded.cfg.vocab_size
     first_turns = _shared_prefix_workload(seed, vocab)
-    # The batch shapes of test_greedy_outputs_identical_under_preemption_and_chunking. Under preemption, just the
-    # blocks the longest request (a second turn: its first turn's prompt and
-    # answer, 5 tokens, 8 new) needs alone, plus the null block: 14 at most (56 + 29 + 5 + 8 tokens). A
-    # fixed 14 let some seeds' shorter workloads run without preempting.
+    # Under preemption, just the blocks the longest request (a second turn: its first turn's prompt and answer,
+    # 5 tokens, 8 new) needs alone, plus the null block.
     longest = max([len(p) + m for p, m in first_turns] + [len(p) + m + 5 + 8 for p, m in first_turns[:4]])
     tight = 1 + -(-longest // 8)
     config = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=512, preemption_mode="swap")
     config |= {"ample": dict(num_blocks=256), "swap": dict(num_blocks=tight),
                "recompute": dict(num_blocks=tight, preemption_mode="recompute")}[mode]
     rng = np.random.default_rng(seed + 2)
-    runs, ties = {}, []
+    runs, ties, urgent = {}, [], []
     for caching in (True, False):
         llm = LLM(loaded, EngineConfig(enable_prefix_caching=caching, **config))
-        first = [o.outputs[0].token_ids for o in llm.generate(
-            [p for p, _ in first_turns], [_greedy(m) for _, m in first_turns], use_tqdm=False)]
+        if mode == "ample":
+            generate = lambda turns, llm=llm: [o.outputs[0].token_ids for o in llm.generate(  # noqa: E731
+                [p for p, _ in turns], [_greedy(m) for _, m in turns], use_tqdm=False)]
+        else:
+            urgent = [_urgent_request(llm.engine, seed + turn) for turn in range(2)]
+            generate = lambda turns, llm=llm: _generate_with_a_late_urgent_request(  # noqa: E731
+                llm.engine, turns, urgent[0 if turns is first_turns else 1])
+        first = generate(first_turns)
         if not runs:  # the second turns are built from the first run's answers (equal in both, asserted)
             second_turns = [(p + answer + rng.integers(3, vocab, size=5).tolist(), 8)
                             for (p, _), answer in zip(first_turns[:4], first)]
-        second = [o.outputs[0].token_ids for o in llm.generate(
-            [p for p, _ in second_turns], [_greedy(m) for _, m in second_turns], use_tqdm=False)]
+        second = generate(second_turns)
+        if urgent:  # each turn's urgent request last: in the outputs' order
+            first, second = first[:-1], second[:-1] + [first[-1], second[-1]]
         stats = llm.engine.scheduler.stats()
         assert (stats["prefix_cache_hits"] > 0) == caching
         if mode != "ample":
             assert stats["preemptions"][config["preemption_mode"]] > 0, (seed, caching, config, stats)
         runs[caching] = (first + second, stats)
-    for i, (prompt, max_tokens) in enumerate(first_turns + second_turns):
+    for i, (prompt, max_tokens) in enumerate(first_turns + second_turns + urgent):
         ref, ref_logits = hf_greedy(torch_model, prompt, max_tokens)
         reports = [check_greedy_match(runs[caching][0][i], ref, ref_logits) for caching in (True, False)]
         if any(reports):
@@ -289,37 +330,6 @@ def test_lazy_warmup_compiles_the_full_sampler_in_the_background():
     assert counter.count - before == 0, f"{counter.count - before} compilations after warm-up"
 
 
-def _counting_window_frees(engine: LLMEngine) -> list[int]:
-    """A one-item list counting the blocks the engine's KV cache manager frees behind windows from now on."""
-    kv, freed = engine.scheduler.kv, [0]
-    original = kv.free_behind_window
-
-    def counting(request):
-        free = kv.num_free
-        original(request)
-        freed[0] += kv.num_free - free
-
-    kv.free_behind_window = counting
-    return freed
-
-
-def _run_with_a_late_urgent_request(loaded, workload, urgent, **config) -> tuple[list[list[int]], dict, int]:
-    """The workload at priority 1, then, three steps in, `urgent` at priority 0: its prompt needs every block
-    of the cache, so it preempts whatever runs. Returns (the outputs in order, the scheduler's stats, blocks
-    freed behind windows)."""
-    engine = LLMEngine(loaded, EngineConfig(block_size=8, max_num_seqs=8, **config))
-    freed = _counting_window_frees(engine)
-    ids = [engine.add_request(None, p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, priority=1),
-                              final_only=True) for p, m in workload]
-    outputs = {}
-    for _ in range(3):
-        outputs |= {o.request_id: o for o in engine.step() if o.finished}
-    ids.append(engine.add_request(None, urgent[0], _greedy(urgent[1]), final_only=True))
-    while engine.has_unfinished():
-        outputs |= {o.request_id: o for o in engine.step() if o.finished}
-    return [outputs[i].outputs[0].token_ids for i in ids], engine.scheduler.stats(), freed[0]
-
-
 @pytest.mark.parametrize("arch,overrides", [
     ("mistral", dict(sliding_window=8)),  # every layer sliding: one KV cache group
     ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),  # a full and a sliding group
@@ -338,7 +348,6 @@ def test_sliding_window_models_give_transformers_tokens(tmp_path, arch, override
     vocab = loaded.cfg.vocab_size
     workload = _workload(seed, vocab, n=6)  # at most 40 + 40 tokens each
     second_turns = [(p + p[:9], 12) for p, _ in workload[:3]]  # a cached first turn, crossing windows
-    urgent = (np.random.default_rng(seed).integers(3, vocab, size=79).tolist(), 1)
     ties = []
 
     def check(name, requests, outputs):
@@ -355,11 +364,13 @@ def test_sliding_window_models_give_transformers_tokens(tmp_path, arch, override
             [p for p, _ in turns], [_greedy(m) for _, m in turns], use_tqdm=False)]
         check(name, workload + second_turns, outputs)
         assert llm.engine.scheduler.stats()["prefix_cache_hits"] > 0 and freed[0] > 0, (name, seed)
-    for mode in ("swap", "recompute"):
-        outputs, stats, freed = _run_with_a_late_urgent_request(
-            loaded, workload, urgent, num_blocks=1 + 10 * groups, max_num_batched_tokens=512, preemption_mode=mode)
-        check(mode, workload + [urgent], outputs)
-        assert stats["preemptions"][mode] > 0 and freed > 0, (mode, seed, stats)
+    for mode in ("swap", "recompute"):  # the cache: what the longest request (80 tokens) needs
+        engine = LLMEngine(loaded, EngineConfig(block_size=8, max_num_seqs=8, num_blocks=1 + 10 * groups,
+                                                max_num_batched_tokens=512, preemption_mode=mode))
+        freed, urgent = _counting_window_frees(engine), _urgent_request(engine, seed)
+        check(mode, workload + [urgent], _generate_with_a_late_urgent_request(engine, workload, urgent))
+        stats = engine.scheduler.stats()
+        assert stats["preemptions"][mode] > 0 and freed[0] > 0, (mode, seed, stats)
     plain_dir = tmp_path / "no_window"
     shutil.copytree(tmp_path, plain_dir, ignore=shutil.ignore_patterns("no_window"))
     config = json.loads((plain_dir / "config.json").read_text())
