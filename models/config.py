@@ -8,8 +8,19 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "phi3",
+                         "olmo2", "granite")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+# Decoder layer norm layouts: "pre" (Llama: input_layernorm before attention, post_attention_layernorm before the
+# MLP), "sandwich" (Gemma 2/3: those two plus post_attention_layernorm on the attention output and
+# post_feedforward_layernorm on the MLP output, each before its residual add, the pre-MLP norm being
+# pre_feedforward_layernorm), "post" (OLMo 2: no pre-norms, post_attention_layernorm and post_feedforward_layernorm
+# on the branch outputs).
+NORM_LAYOUTS = {"gemma2": "sandwich", "gemma3_text": "sandwich", "olmo2": "post"}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+# The families whose transformers modeling rotates only the first partial_rotary_factor of each head.
+PARTIAL_ROTARY_TYPES = ("phi3",)
 
 
 class ConfigError(ValueError):
@@ -35,9 +46,19 @@ class ModelConfig:
     qkv_bias: bool = False          # Qwen2 (and Llama's attention_bias): bias on q, k, v
     o_bias: bool = False            # Llama's attention_bias also covers o_proj
     mlp_bias: bool = False
-    qk_norm: bool = False           # Qwen3: RMSNorm over each head of q and k before RoPE
+    qk_norm: bool = False           # Qwen3, Gemma 3: RMSNorm over each head of q and k before RoPE
+    qk_norm_all_heads: bool = False  # OLMo 2: q_norm/k_norm over the whole projection (all heads), before the split
+    norm_layout: str = "pre"        # NORM_LAYOUTS
     hidden_act: str = "silu"        # "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    embedding_multiplier: float = 1.0  # Granite: embeddings times this
+    residual_multiplier: float = 1.0   # Granite: each residual branch times this before its add
+    logits_scaling: float = 1.0        # Granite: logits divided by this
+    attention_scale: float | None = None  # the query scale when not head_dim ** -0.5 (Gemma 2/3:
+                                          # query_pre_attn_scalar ** -0.5; Granite: attention_multiplier)
+    partial_rotary_factor: float = 1.0    # Phi-4-mini: RoPE rotates the first rotary_dim features of each head
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (plain RoPE, no scaling)
+    local_rope_layers: tuple[int, ...] = ()  # Gemma 3: the layers on that RoPE (its sliding layers)
     norm_offset: float = 0.0        # Gemma: RMSNorm multiplies by (1 + w)
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
@@ -57,31 +78,30 @@ class ModelConfig:
 
     @property
     def query_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
+        return self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading features of each head that RoPE rotates (transformers' int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def layer_ropes(self) -> tuple[int, ...]:
+        """Per layer, which of `ropes()` it takes: Gemma 3's sliding layers the local one (1), the rest 0."""
+        return tuple(int(i in self.local_rope_layers) for i in range(self.num_layers))
+
+    def ropes(self) -> tuple["Rope", ...]:
+        """The model's RoPEs: the global one, then (Gemma 3) the sliding layers' plain one."""
+        main = rope_frequencies(self.rope_theta, dict(self.rope_scaling or ()), self.rotary_dim,
+                                self.max_position_embeddings)
+        if self.rope_local_theta is None:
+            return (main,)
+        return main, rope_frequencies(self.rope_local_theta, {}, self.rotary_dim, self.max_position_embeddings)
 
     def rope_inv_freq(self) -> np.ndarray:
-        """Inverse frequencies [head_dim // 2] (float32, on the host), after any rope scaling."""
-        # float32 throughout, as transformers computes it, so positions agree to the last bit we can.
-        exponents = np.arange(0, self.head_dim, 2, dtype=np.float32) / np.float32(self.head_dim)
-        inv_freq = (np.float32(1.0) / (np.float32(self.rope_theta) ** exponents)).astype(np.float32)
-        scaling = dict(self.rope_scaling or ())
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "default":
-            return inv_freq
-        if kind == "linear":
-            return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
-        if kind == "llama3":
-            factor = float(scaling["factor"])
-            low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-            old_len = float(scaling["original_max_position_embeddings"])
-            wavelen = 2 * math.pi / inv_freq
-            low_wavelen, high_wavelen = old_len / low, old_len / high
-            scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-            smooth = (old_len / wavelen - low) / (high - low)
-            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-            return np.where(medium, smoothed, scaled).astype(np.float32)
-        raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+        """Inverse frequencies [rotary_dim // 2] (float32, on the host) of the global RoPE, after any scaling
+        (longrope: the short factor's; dynamic: those up to max_position_embeddings)."""
+        return self.ropes()[0].inv_freq
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -95,7 +115,113 @@ class ModelConfig:
         d["rope_scaling"] = _freeze(d.get("rope_scaling"))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         d["layer_types"] = tuple(d.get("layer_types") or ())
+        d["local_rope_layers"] = tuple(d.get("local_rope_layers") or ())
         return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rope:
+    """One RoPE, as transformers' modeling_rope_utils computes it (float32): inverse frequencies, and for the
+    scalings whose frequencies depend on the sequence's length (longrope, dynamic) what they are chosen by. A
+    sequence's length is its context length this step (transformers: max(position_ids) + 1, per forward call)."""
+
+    inv_freq: np.ndarray            # [rotary_dim // 2]; longrope: the short factor's
+    attention_factor: float = 1.0   # cos and sin are multiplied by it (yarn, longrope)
+    long_inv_freq: np.ndarray | None = None  # longrope: a sequence longer than original_max takes these
+    dynamic_factor: float | None = None      # dynamic NTK: past original_max the base grows with the length
+    original_max: int = 0           # longrope's original_max_position_embeddings; dynamic's max_position_embeddings
+    theta: float = 10000.0
+
+    @property
+    def length_dependent(self) -> bool:
+        return self.long_inv_freq is not None or self.dynamic_factor is not None
+
+
+def _f32(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32)
+
+
+def _default_inv_freq(theta: float, dim: int) -> np.ndarray:
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    return _f32(np.float32(1.0) / (np.float32(theta) ** exponents))
+
+
+def rope_frequencies(theta: float, scaling: dict, dim: int, max_position_embeddings: int) -> Rope:
+    """The RoPE of base `theta` over `dim` rotated features under Hugging Face rope parameters `scaling`; the
+    functions of transformers' modeling_rope_utils, in float32 as they compute."""
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    inv_freq = _default_inv_freq(theta, dim)
+    if kind == "default":
+        return Rope(inv_freq, theta=theta)
+    if kind == "linear":
+        return Rope(_f32(inv_freq / np.float32(scaling["factor"])), theta=theta)
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return Rope(_f32(np.where(medium, smoothed, scaled)), theta=theta)
+    if kind == "yarn":
+        return _yarn(theta, scaling, dim, max_position_embeddings)
+    if kind == "longrope":
+        original = int(scaling["original_max_position_embeddings"])
+        factor = scaling.get("factor") or max_position_embeddings / original
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        powers = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+        factors = [_f32(scaling[key]) for key in ("short_factor", "long_factor")]
+        if any(f.shape != powers.shape for f in factors):
+            raise ConfigError(f"longrope short_factor and long_factor must have rotary_dim / 2 = {len(powers)} "
+                              f"entries each")
+        short, long = (_f32(np.float32(1.0) / (f * powers)) for f in factors)
+        return Rope(short, float(attention), long_inv_freq=long, original_max=original, theta=theta)
+    if kind == "dynamic":
+        return Rope(inv_freq, dynamic_factor=float(scaling["factor"]), original_max=max_position_embeddings,
+                    theta=theta)
+    raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(theta: float, scaling: dict, dim: int, max_position_embeddings: int) -> Rope:
+    """transformers' _compute_yarn_parameters."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling["factor"]
+    if factor is None:
+        factor = max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention is None:
+        if mscale and mscale_all_dim:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = _yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no singularity
+    pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extrapolation = _f32(np.float32(1.0) / pos_freqs)
+    interpolation = _f32(np.float32(1.0) / (np.float32(factor) * pos_freqs))
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_factor = _f32(np.float32(1.0) - _f32(ramp))
+    inv_freq = interpolation * (np.float32(1.0) - extrapolation_factor) + extrapolation * extrapolation_factor
+    return Rope(_f32(inv_freq), float(attention), theta=theta)
 
 
 def _freeze(mapping):
@@ -118,6 +244,8 @@ def from_hf_config(hf: dict, source: str = "config.json", generation: dict | Non
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: model_type {model_type!r} is not supported; Ferry serves {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model_type == "gemma3":
+        hf, model_type = _gemma3_text_config(hf, source), "gemma3_text"
 
     def need(key):
         if key not in hf:
@@ -126,16 +254,9 @@ def from_hf_config(hf: dict, source: str = "config.json", generation: dict | Non
 
     hidden, num_heads = int(need("hidden_size")), int(need("num_attention_heads"))
     head_dim = hf.get("head_dim") or hidden // num_heads
-    # transformers >= 5 writes rope_parameters (theta inside); older checkpoints rope_theta + rope_scaling.
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-    if rope.get("rope_type", rope.get("type", "default")) == "default":
-        rope = {}
-    for key in ("partial_rotary_factor",):
-        if rope.pop(key, 1.0) != 1.0:
-            raise ConfigError(f"{source}: {key} is not supported")
+    rope_theta, rope, local_theta, partial = _rope_parameters(hf, model_type, source)
 
-    gemma = model_type == "gemma"
+    gemma = model_type in GEMMA_TYPES
     attention_bias = bool(hf.get("attention_bias", False))
     generation = generation or {}
     eos = _as_id_list(generation.get("eos_token_id", hf.get("eos_token_id")))
@@ -144,6 +265,8 @@ def from_hf_config(hf: dict, source: str = "config.json", generation: dict | Non
     # Gemma's GeGLU is the tanh approximation even where a legacy config says "gelu" (as transformers does).
     if not gemma and act not in ("silu", "swish"):
         raise ConfigError(f"{source}: hidden_act {act!r} is not supported for {model_type}")
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError(f"{source}: use_bidirectional_attention is not supported (Ferry serves causal decoders)")
 
     sliding_window, layer_types = _attention_layout(hf, model_type, source)
     cfg = ModelConfig(
@@ -160,10 +283,13 @@ def from_hf_config(hf: dict, source: str = "config.json", generation: dict | Non
         rope_scaling=_freeze(rope),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-        qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=attention_bias and model_type in ("llama", "mistral"),
+        qkv_bias=model_type == "qwen2" or (attention_bias and model_type != "phi3"),
+        # transformers' o_proj takes attention_bias too, but for Qwen2 (q/k/v only) and Phi-3 (none)
+        o_bias=attention_bias and model_type not in ("qwen2", "phi3"),
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "gemma3_text", "olmo2"),
+        qk_norm_all_heads=model_type == "olmo2",
+        norm_layout=NORM_LAYOUTS.get(model_type, "pre"),
         hidden_act="gelu_tanh" if gemma else "silu",
         scale_embeddings=gemma,
         norm_offset=1.0 if gemma else 0.0,
@@ -174,27 +300,118 @@ def from_hf_config(hf: dict, source: str = "config.json", generation: dict | Non
         pad_token_id=hf.get("pad_token_id"),
         sliding_window=sliding_window,
         layer_types=layer_types,
+        partial_rotary_factor=partial,
+        rope_local_theta=local_theta,
+        local_rope_layers=() if local_theta is None else tuple(
+            i for i, t in enumerate(_declared_layer_types(hf, model_type, source)) if t == "sliding_attention"),
+        **_scales(hf, model_type, source),
     )
     if cfg.num_heads % cfg.num_kv_heads:
         raise ConfigError(f"{source}: num_attention_heads {cfg.num_heads} is not a multiple of "
                           f"num_key_value_heads {cfg.num_kv_heads}")
-    cfg.rope_inv_freq()  # fail now on an unknown rope type
+    if cfg.rotary_dim % 2 or not 0 < cfg.rotary_dim <= cfg.head_dim:
+        raise ConfigError(f"{source}: partial_rotary_factor {partial} gives an odd or empty rotary dim "
+                          f"{cfg.rotary_dim} of head_dim {cfg.head_dim}")
+    try:
+        cfg.ropes()  # fail now on an unknown rope type or a malformed one
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise ConfigError(f"{source}: {e}") from None
+        raise ConfigError(f"{source}: rope parameters {dict(rope)} lack or mistype {e}") from None
     return cfg
 
 
+def _gemma3_text_config(hf: dict, source: str) -> dict:
+    """A multimodal Gemma 3 config's language model: its text_config (Ferry serves the text; the checkpoint's
+    vision tower is not read, models/checkpoints/tensors.py)."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict) or text.get("model_type", "gemma3_text") != "gemma3_text":
+        raise ConfigError(f"{source}: a gemma3 config without a gemma3_text text_config; use the text-only "
+                          f"checkpoint (model_type gemma3_text)")
+    text = {**text, "model_type": "gemma3_text"}
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if key in hf and key not in text:
+            text[key] = hf[key]
+    return text
+
+
+def _rope_parameters(hf: dict, model_type: str, source: str) -> tuple[float, dict, float | None, float]:
+    """(rope_theta, the global RoPE's scaling parameters ({} for plain RoPE), Gemma 3's local theta or None,
+    partial_rotary_factor) from either format: transformers >= 5's rope_parameters (theta inside; per layer type
+    for Gemma 3) or the older rope_theta + rope_scaling (+ rope_local_base_freq)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    local_theta = None
+    if model_type == "gemma3_text":
+        if "full_attention" in rope or "sliding_attention" in rope:
+            local = dict(rope.get("sliding_attention") or {})
+            rope = dict(rope.get("full_attention") or {})
+            if local.get("rope_type", local.get("type", "default")) != "default":
+                raise ConfigError(f"{source}: rope_parameters['sliding_attention'] of type "
+                                  f"{local.get('rope_type', local.get('type'))!r} is not supported (default only)")
+            local_theta = local.get("rope_theta")
+        local_theta = float(local_theta or hf.get("rope_local_base_freq", 10000.0))
+    theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0 and model_type not in PARTIAL_ROTARY_TYPES:
+        raise ConfigError(f"{source}: partial_rotary_factor is not supported for {model_type}")
+    kind = rope.pop("type", None)  # the older name of rope_type
+    kind = rope.setdefault("rope_type", kind or "default")
+    if kind == "default":
+        return theta, {}, local_theta, partial
+    if kind in ("llama3", "yarn", "longrope"):
+        # As transformers' standardize_rope_params: a top-level original_max_position_embeddings (Phi-3) wins.
+        original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = int(original or hf.get("max_position_embeddings", 2048))
+    return theta, rope, local_theta, partial
+
+
+def _scales(hf: dict, model_type: str, source: str) -> dict:
+    """The query scale and Granite's multipliers, for ModelConfig."""
+    out = {}
+    if model_type in ("gemma2", "gemma3_text") and hf.get("query_pre_attn_scalar") is not None:
+        out["attention_scale"] = float(hf["query_pre_attn_scalar"]) ** -0.5
+    if model_type == "granite":
+        out.update(attention_scale=float(hf.get("attention_multiplier", 1.0)),
+                   embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+                   residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+                   logits_scaling=float(hf.get("logits_scaling", 1.0)))
+    else:
+        for key in ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            if hf.get(key, 1.0) != 1.0:
+                raise ConfigError(f"{source}: {key} is not supported for {model_type} (granite only)")
+    if out.get("logits_scaling") == 0:
+        raise ConfigError(f"{source}: logits_scaling must not be 0")
+    return out
+
+
 def _attention_layout(hf: dict, model_type: str, source: str) -> tuple[int | None, tuple[str, ...]]:
-    """(sliding_window, layer_types) as transformers reads them: `layer_types` where the config has it, else
-    each family's rule (Mistral: every layer under `sliding_window`; Qwen2: `use_sliding_window` from layer
-    `max_window_layers` on). A window of None, or one not shorter than max_position_embeddings, is no window."""
-    num_layers = int(hf.get("num_hidden_layers", 0))
+    """(sliding_window, layer_types) as transformers reads them (`_declared_layer_types`). A window of None, or
+    one not shorter than max_position_embeddings, is no window."""
     window = hf.get("sliding_window")
     if model_type == "qwen2" and not hf.get("use_sliding_window", False):
         window = None
+    types = _declared_layer_types(hf, model_type, source)
+    if window is not None and (not isinstance(window, int) or window <= 0):
+        raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
+    if window is None or "sliding_attention" not in types or window >= int(hf.get("max_position_embeddings", 2048)):
+        return None, ()
+    return window, types
+
+
+def _declared_layer_types(hf: dict, model_type: str, source: str) -> tuple[str, ...]:
+    """Each layer's type: `layer_types` where the config has it, else each family's rule (Mistral, Phi-3: every
+    layer under `sliding_window`; Qwen2: `use_sliding_window` from layer `max_window_layers` on; Gemma 2: every
+    other layer, the first sliding; Gemma 3: every `sliding_window_pattern`th layer full, the rest sliding)."""
+    num_layers = int(hf.get("num_hidden_layers", 0))
     types = hf.get("layer_types")
     if types is None:
         if model_type == "qwen2":
             first = int(hf.get("max_window_layers", num_layers))
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        elif model_type in ("gemma2", "gemma3_text"):
+            pattern = 2 if model_type == "gemma2" else int(hf.get("sliding_window_pattern",
+                                                                   hf.get("_sliding_window_pattern", 6)))
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         else:
             types = ["sliding_attention"] * num_layers
     types = tuple(types)
@@ -202,11 +419,7 @@ def _attention_layout(hf: dict, model_type: str, source: str) -> tuple[int | Non
     if bad or len(types) != num_layers:
         raise ConfigError(f"{source}: layer_types must list one of {LAYER_TYPES} for each of the "
                           f"{num_layers} layers (got {len(types)}; unknown: {bad})")
-    if window is not None and (not isinstance(window, int) or window <= 0):
-        raise ConfigError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
-    if window is None or "sliding_attention" not in types or window >= int(hf.get("max_position_embeddings", 2048)):
-        return None, ()
-    return window, types
+    return types
 
 
 def read_json(path: str) -> dict:

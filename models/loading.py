@@ -17,6 +17,7 @@ from models.checkpoints.tensors import (
     fuse_projections,
     hf_to_ferry_name,
     per_layer_leaves,
+    unfuse_projections,
     unfused_leaves,
 )
 from models.config import ConfigError, ModelConfig
@@ -25,6 +26,8 @@ from models.transformer import Transformer
 
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A multimodal Gemma 3 checkpoint's image side: Ferry serves its language model (config.py's gemma3 text_config).
+_IGNORED_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
 
 
 @dataclasses.dataclass(slots=True)
@@ -78,22 +81,26 @@ def model_from_checkpoint(checkpoint: Checkpoint, dtype=None) -> LoadedModel:
     dtype = _dtype(dtype) or jnp.dtype(checkpoint.dtype)
     graphdef, abstract = abstract_model(cfg, dtype)
     # per-layer names, q/k/v and gate/up apart as checkpoints store them; fused, then stacked, below
-    expected = unfused_leaves(per_layer_leaves(abstract), cfg)
+    fused = per_layer_leaves(abstract)
+    expected = unfused_leaves(fused, cfg)
+    # A checkpoint may store a projection fused as Ferry holds it (Phi-3's qkv_proj, gate_up_proj): split on read.
+    known = {**fused, **expected}
     arrays = {}
     for where, hf_name, host in checkpoint.tensors:
-        if hf_name.endswith(_IGNORED_SUFFIXES):
+        if hf_name.endswith(_IGNORED_SUFFIXES) or hf_name.startswith(_IGNORED_PREFIXES):
             continue
         name, transpose = hf_to_ferry_name(hf_name)
         if name == "lm_head.kernel" and cfg.tie_word_embeddings:
             continue  # tied: the embedding serves as the head
-        if name not in expected:
+        if name not in known:
             raise ConfigError(f"{where}: tensor {hf_name!r} has no place in a {cfg.model_type} model "
                               f"built from {config_source}")
-        want = expected[name].shape[::-1] if transpose else expected[name].shape
+        want = known[name].shape[::-1] if transpose else known[name].shape
         if tuple(host.shape) != tuple(want):
             raise ConfigError(f"{where}: tensor {hf_name!r} has shape {list(host.shape)}, but "
                               f"{config_source} implies {list(want)}")
-        arrays[name] = jnp.asarray(host.T if transpose else host, dtype=dtype)  # casts on the way
+        for part, value in unfuse_projections({name: host.T if transpose else host}, cfg).items():
+            arrays[part] = jnp.asarray(value, dtype=dtype)  # casts on the way
     missing = sorted(set(expected) - set(arrays))
     if missing:
         raise ConfigError(f"{path}: checkpoint lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")

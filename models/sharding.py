@@ -37,6 +37,10 @@ def check_tensor_parallel(cfg, tp: int) -> None:
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         raise ValueError(f"tensor_parallel_size {tp} must divide, or be a multiple of, the model's "
                          f"{cfg.num_kv_heads} KV heads")
+    if cfg.qk_norm_all_heads and cfg.num_kv_heads % tp:
+        # OLMo 2's k_norm weighs every KV head's features: replicated heads would need it re-laid and re-weighted.
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {cfg.num_kv_heads} KV heads: its k_norm "
+                         f"spans all KV heads, which are not replicated across shards")
 
 
 def param_spec(name: str, shape: tuple[int, ...], tp: int) -> P:

@@ -1,4 +1,5 @@
-"""One decoder-only transformer for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma).
+"""One decoder-only transformer for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma 1/2/3, Phi-3,
+OLMo 2, Granite).
 
 Module and attribute names follow Hugging Face's (`layers.self_attn.o_proj`), so checkpoint
 names map onto the parameter tree mechanically (models/loading.py), except that q/k/v and gate/up
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models.config import ModelConfig
+from models.config import ModelConfig, Rope
 from models.mesh import HEADS_SPEC, KV_POOL_SPEC, MODEL_AXIS, fused_groups, model_axis_size, split_columns
 from models.paged import AttentionMetadata, KVCache, kv_cache_groups, layer_pool
 from pallas_kernels import ops
@@ -164,18 +165,70 @@ def layer_kernels_packed(layers) -> bool:
     return not isinstance(layers, nnx.List) and layers.mlp.down_proj.kernel[...].ndim == ops.PACKED_RANK
 
 
-def rope_cos_sin(inv_freq, positions, dtype):
-    """cos, sin [T, head_dim] in the half-split layout transformers uses (rotate_half)."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+def rope_cos_sin(inv_freq, positions, dtype, attention_factor: float = 1.0):
+    """cos, sin [T, rotary_dim] in the half-split layout transformers uses (rotate_half), times the rope's
+    attention factor (yarn, longrope). inv_freq: [rotary_dim // 2], or per token [T, rotary_dim // 2]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.astype(dtype), sin.astype(dtype)
+
+
+def token_inv_freq(rope: Rope, seq_lens):
+    """A length-dependent rope's inverse frequencies per token [T, rotary_dim // 2], from each token's sequence
+    length `seq_lens` [T] (transformers: max(position_ids) + 1 of the forward call). Longrope: the long factors
+    past original_max; dynamic NTK: the base grown for the length (float32, as transformers computes it)."""
+    past = seq_lens[:, None] > rope.original_max
+    if rope.long_inv_freq is not None:
+        return jnp.where(past, jnp.asarray(rope.long_inv_freq), jnp.asarray(rope.inv_freq))
+    dim = 2 * rope.inv_freq.shape[0]
+    factor = jnp.float32(rope.dynamic_factor)
+    length = jnp.maximum(seq_lens, rope.original_max).astype(jnp.float32)
+    base = jnp.float32(rope.theta) * ((factor * length / jnp.float32(rope.original_max)) - (factor - 1)) ** (
+        jnp.float32(dim / (dim - 2)))
+    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / jnp.float32(dim)
+    return jnp.float32(1.0) / (base[:, None] ** exponents[None, :])
+
+
+def token_seq_lens(md: AttentionMetadata, num_tokens: int):
+    """Each token row's sequence's context length this step [T] (padding rows: the last sequence's)."""
+    seq = jnp.searchsorted(md.query_start_loc[1:], jnp.arange(num_tokens, dtype=jnp.int32), side="right")
+    return md.context_lens[jnp.minimum(seq, md.context_lens.shape[0] - 1)]
+
+
+def rope_tables(cfg: ModelConfig, positions, md: AttentionMetadata, dtype):
+    """cos, sin [T, rotary_dim] of the model's one RoPE, or [num_ropes, T, rotary_dim] of several (Gemma 3: global,
+    local), a layer taking cfg.layer_ropes[layer]'s. Longrope and dynamic NTK choose per sequence from its context
+    length this step, and a key keeps the rotation it was written with (transformers: max(position_ids) + 1 of
+    each forward call, its cache likewise). The one divergence, longrope: a sequence that passes original_max after
+    its first chunk (a chunked prefill whose first chunk ends before it, or a decode step) keeps its earlier keys
+    rotated with the short factors, where transformers' Phi-3 generate drops its cache at that step and recomputes
+    the whole sequence with the long ones (Phi3ForCausalLM.prepare_inputs_for_generation). A prompt that passes it
+    in one chunk, or a sequence that never does, matches. Dynamic NTK's frequencies change with every length past
+    its threshold, in transformers as here, so there any chunking of a prompt past it rotates differently from
+    one chunk."""
+    tables = []
+    for rope in cfg.ropes():
+        inv_freq = jnp.asarray(rope.inv_freq)
+        if rope.length_dependent:
+            inv_freq = token_inv_freq(rope, token_seq_lens(md, positions.shape[0]))
+        tables.append(rope_cos_sin(inv_freq, positions, dtype, rope.attention_factor))
+    if len(tables) == 1:
+        return tables[0]
+    return tuple(jnp.stack(t) for t in zip(*tables))
 
 
 def apply_rope(x, cos, sin):
-    """x [T, H, D]."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """x [T, H, D]; cos, sin [T, rotary_dim]: the first rotary_dim features of each head rotate (partial rotary,
+    Phi-4-mini), the rest pass through."""
+    rotary = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    half = rotary // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return out if rotary == x.shape[-1] else jnp.concatenate([out, x_pass], axis=-1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -193,17 +246,22 @@ class Attention(nnx.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.qkv_proj = _linear(h, sum(qkv_widths(cfg)), cfg.qkv_bias, dtype, rngs)
         self.o_proj = _linear(cfg.num_heads * d, h, cfg.o_bias, dtype, rngs)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset, dtype)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset, dtype)
+        if cfg.qk_norm:  # per head, or (OLMo 2) over all heads of the projection
+            q_width, k_width, _ = qkv_widths(cfg) if cfg.qk_norm_all_heads else (d, d, d)
+            self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, cfg.norm_offset, dtype)
+            self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps, cfg.norm_offset, dtype)
 
     def project(self, x, ctx: ForwardContext):
         """x [..., hidden] -> q [..., Hq, D], k and v [..., Hkv, D] (one matmul), q/k normed if the model does."""
         cfg = self.cfg
         q, k, v = split_fused(self.qkv_proj(x, ctx), qkv_widths(cfg))
+        if cfg.qk_norm_all_heads:
+            # Global view: under tensor parallelism q and k are column-sharded and XLA's partitioner all-reduces
+            # the norm's sum of squares across the shards.
+            q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
         heads = lambda t, n: t.reshape(*t.shape[:-1], n, cfg.head_dim)  # noqa: E731
         q, k, v = heads(q, cfg.num_heads), heads(k, cfg.num_kv_heads), heads(v, cfg.num_kv_heads)
-        if cfg.qk_norm:
+        if cfg.qk_norm and not cfg.qk_norm_all_heads:
             q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
         return q, k, v
 
@@ -258,19 +316,42 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """One decoder layer; its norms by cfg.norm_layout (config.NORM_LAYOUTS): Llama's pre-norms, Gemma 2/3's
+    sandwich (pre-norms and norms of each branch's output), OLMo 2's branch-output norms alone."""
+
     def __init__(self, cfg: ModelConfig, dtype, rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
+        self.layout, self.residual_multiplier = cfg.norm_layout, cfg.residual_multiplier
+        norm = functools.partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
+        if cfg.norm_layout != "post":
+            self.input_layernorm = norm()
         self.self_attn = Attention(cfg, dtype, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
+        self.post_attention_layernorm = norm()
+        if cfg.norm_layout == "sandwich":
+            self.pre_feedforward_layernorm = norm()
+        if cfg.norm_layout != "pre":
+            self.post_feedforward_layernorm = norm()
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(self, x, cos, sin, kv, md, ctx: ForwardContext, kept=None):
         """`kept` (see Attention): the output has only those rows, and only they run past the K/V write."""
-        attn_out, kv = self.self_attn(self.input_layernorm(x, ctx), cos, sin, kv, md, ctx, kept)
+        attn_in = x if self.layout == "post" else self.input_layernorm(x, ctx)
+        attn_out, kv = self.self_attn(attn_in, cos, sin, kv, md, ctx, kept)
         if kept is not None:
             x, ctx = x[kept.indices], ctx.with_rows(kept.real)
-        hidden, x = self.post_attention_layernorm(x, ctx, attn_out)  # the residual add, then the norm
-        return x + self.mlp(hidden, ctx), kv
+        if self.layout == "pre":
+            # the residual add, then the norm
+            hidden, x = self.post_attention_layernorm(x, ctx, self.scaled_branch(attn_out))
+            return x + self.scaled_branch(self.mlp(hidden, ctx)), kv
+        attn_out = self.post_attention_layernorm(attn_out.astype(x.dtype), ctx)
+        if self.layout == "sandwich":
+            hidden, x = self.pre_feedforward_layernorm(x, ctx, attn_out)
+        else:
+            x = hidden = x + attn_out
+        return x + self.post_feedforward_layernorm(self.mlp(hidden, ctx), ctx), kv
+
+    def scaled_branch(self, branch):
+        """A residual branch times Granite's residual_multiplier (others: as it is)."""
+        return branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier
 
 
 def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
@@ -319,14 +400,21 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(token_ids)
         if cfg.scale_embeddings:
             x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
-        cos, sin = rope_cos_sin(jnp.asarray(cfg.rope_inv_freq()), positions, x.dtype)
+        if cfg.embedding_multiplier != 1.0:
+            x = x * cfg.embedding_multiplier
+        cos, sin = rope_tables(cfg, positions, md, x.dtype)
+        if cos.ndim == 3:  # one table per RoPE: each layer takes its own
+            layer_ropes = jnp.asarray(cfg.layer_ropes, jnp.int32)
+            rope_of = lambda ctx: (cos[layer_ropes[ctx.layer]], sin[layer_ropes[ctx.layer]])  # noqa: E731
+        else:
+            rope_of = lambda ctx: (cos, sin)  # noqa: E731
         k_pages, v_pages = kv_cache
         num_blocks, block_size = k_pages.shape[1:3]
         groups = kv_cache_groups(cfg)
 
         def layer_step(layer, carry, ctx, kept=None):
             x, k_pool, v_pool = carry
-            x, (k_pool, v_pool) = layer(x, cos, sin, (k_pool, v_pool),
+            x, (k_pool, v_pool) = layer(x, *rope_of(ctx), (k_pool, v_pool),
                                         md.for_layer(ctx.layer, num_blocks, block_size, groups), ctx, kept)
             return x, k_pool, v_pool
 
@@ -359,6 +447,8 @@ class Transformer(nnx.Module):
             logits = jax.lax.with_sharding_constraint(logits, P(None, MODEL_AXIS))
             logits = jax.lax.with_sharding_constraint(logits, P())
         logits = logits.astype(jnp.float32)
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
         if cfg.final_logit_softcap:
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
         return logits, new_cache

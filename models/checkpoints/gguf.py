@@ -13,6 +13,7 @@ models/loading.py). The tokenizer is built in models/tokenizers/gguf.py.
 import concurrent.futures
 import dataclasses
 import glob
+import math
 import os
 import struct
 from typing import Any
@@ -24,16 +25,33 @@ from models.config import ConfigError, from_hf_config
 
 GGUF_SUFFIX = ".gguf"
 # general.architecture -> Ferry's model_type. llama.cpp writes Mistral and SmolLM as "llama".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
+                 "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite"}
+# The architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (LlamaModel.permute).
+_PERMUTED_QK = ("llama", "granite")
+# Gemma's RMSNorm scales by (1 + w); llama.cpp's converter stores 1 + w (its norm_shift), read back as w.
+_NORM_SHIFTED = ("gemma", "gemma2", "gemma3")
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's every-nth-layer-global rule where no pattern is stored
 
-# llama.cpp tensor names -> Hugging Face names (the ".weight" / ".bias" suffix is kept).
+# llama.cpp tensor names (gguf.constants.TENSOR_NAMES) -> Hugging Face names (the ".weight" / ".bias" suffix is kept).
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's tensor means something else: Gemma 2/3's ffn_norm is the pre-MLP norm beside the
+# post-attention one; Phi-3's ffn_up holds gate and up fused.
+_ARCH_LAYER_TENSORS = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+}
+# Phi-3's LongRoPE factors: stored as tensors, read into the config.
+_ROPE_FACTOR_TENSORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 
 
 def find_gguf_file(path: str) -> str | None:
@@ -150,8 +168,9 @@ class _Cursor:
 
 # ---------------------------------------------------------------- config
 
-def hf_config(meta: dict, tensor_names: set[str], source: str) -> dict:
-    """A Hugging Face config dict from GGUF metadata (the keys llama.cpp's converter writes)."""
+def hf_config(meta: dict, tensor_names: set[str], source: str, rope_factors: dict | None = None) -> dict:
+    """A Hugging Face config dict from GGUF metadata (the keys llama.cpp's converter writes) and `rope_factors`
+    (Phi-3's LongRoPE factor tensors, by _ROPE_FACTOR_TENSORS name)."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{source}: general.architecture {arch!r} is not supported; Ferry loads GGUF "
@@ -164,10 +183,7 @@ def hf_config(meta: dict, tensor_names: set[str], source: str) -> dict:
 
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
-    rotary_dim = meta.get(f"{arch}.rope.dimension_count", head_dim)
-    if int(rotary_dim) != head_dim:
-        raise ConfigError(f"{source}: {arch}.rope.dimension_count {rotary_dim} != head dim {head_dim} "
-                          f"(partial rotary embeddings are not supported)")
+    rotary_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if "rope_freqs.weight" in tensor_names:
         raise ConfigError(f"{source}: rope_freqs.weight (per-frequency rope factors, e.g. Llama 3.1's "
                           f"scaling) is not supported")
@@ -186,19 +202,71 @@ def hf_config(meta: dict, tensor_names: set[str], source: str) -> dict:
         "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
         # llama.cpp writes no output.weight when the head is the embedding.
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names and arch != "qwen2",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": list(eos_token_ids(meta)),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
     if vocab is None:
         hf.pop("vocab_size")  # from_hf_config names the missing field
+    if rotary_dim != head_dim:
+        hf["partial_rotary_factor"] = rotary_dim / head_dim  # from_hf_config says where it is not supported
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
     elif scaling != "none":
         raise ConfigError(f"{source}: {arch}.rope.scaling.type {scaling!r} is not supported (none, linear)")
+    if rope_factors:
+        hf["rope_scaling"] = _longrope(meta, arch, hf, rope_factors, source)
+    hf.update(_family_fields(meta, arch, hf))
     return hf
+
+
+def _longrope(meta: dict, arch: str, hf: dict, rope_factors: dict, source: str) -> dict:
+    """Phi-3's LongRoPE from its factor tensors and llama.cpp's rope.scaling keys."""
+    if set(rope_factors) != set(_ROPE_FACTOR_TENSORS.values()):
+        raise ConfigError(f"{source}: LongRoPE needs both {', '.join(_ROPE_FACTOR_TENSORS)}")
+    original = int(meta.get(f"{arch}.rope.scaling.original_context_length", hf["max_position_embeddings"]))
+    rope = {"rope_type": "longrope", "original_max_position_embeddings": original,
+            **{key: [float(f) for f in factors] for key, factors in rope_factors.items()}}
+    # llama.cpp stores the attention factor it derived (float32); transformers derives the same from the lengths.
+    stored = meta.get(f"{arch}.rope.scaling.attn_factor")
+    scale = hf["max_position_embeddings"] / original
+    derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    if stored is not None and abs(stored - derived) > 1e-6:
+        rope["attention_factor"] = float(stored)
+    return rope
+
+
+def _family_fields(meta: dict, arch: str, hf: dict) -> dict:
+    """The config fields of the families beyond Llama's, from the keys llama.cpp's converter writes for them."""
+    key = lambda name: f"{arch}.{name}"  # noqa: E731
+    out = {}
+    if key("attention.sliding_window") in meta and meta[key("attention.sliding_window")]:
+        out["sliding_window"] = int(meta[key("attention.sliding_window")])
+        pattern = meta.get(key("attention.sliding_window_pattern"), _GEMMA_SWA_PATTERN.get(arch))
+        if isinstance(pattern, list):  # per layer, true for a sliding one
+            out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        elif pattern is not None:
+            out["layer_types"] = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                                  for i in range(int(hf["num_hidden_layers"]))]
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if meta.get(key(name)):
+            out[name] = float(meta[key(name)])
+    if arch in ("gemma2", "gemma3"):
+        # llama.cpp's query scale: its attention.scale where written, else 1/sqrt(head_dim), but for the 27B models
+        # (46 layers: Gemma 2; 62: Gemma 3) 1/sqrt(hidden / heads): transformers' query_pre_attn_scalar.
+        big = int(hf["num_hidden_layers"]) == {"gemma2": 46, "gemma3": 62}[arch]
+        scalar = hf["hidden_size"] / hf["num_attention_heads"] if big else hf["head_dim"]
+        out["query_pre_attn_scalar"] = meta[key("attention.scale")] ** -2 if key("attention.scale") in meta else scalar
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = float(meta.get(key("rope.freq_base_swa"), 10000.0))
+    if arch == "granite":
+        out.update(embedding_multiplier=float(meta.get(key("embedding_scale"), 1.0)),
+                   residual_multiplier=float(meta.get(key("residual_scale"), 1.0)),
+                   attention_multiplier=float(meta.get(key("attention.scale"), 1.0)),
+                   logits_scaling=float(meta.get(key("logit_scale"), 1.0)))
+    return out
 
 
 def eos_token_ids(meta: dict) -> tuple[int, ...]:
@@ -209,14 +277,16 @@ def eos_token_ids(meta: dict) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------- tensors
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"; None for an unknown name."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight" (architecture `arch`'s meaning); None for
+    an unknown name."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
+    layer_tensors = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {})}
     if len(parts) == 1 and parts[0] in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[parts[0]]}.{suffix}"
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{suffix}"
     return None
 
 
@@ -228,28 +298,36 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def dequantized_tensors(gguf: GGUFFile, hf: dict):
-    """(file, HF name, float32 numpy array [torch layout]) for every tensor, in file order.
+    """(file, HF name, float32 numpy array [torch layout]) for every weight tensor, in file order.
 
     gguf.quants is numpy, which lets go of the GIL: tensors are dequantized on a thread per core."""
-    for tensor in gguf.tensors:
-        if hf_tensor_name(tensor.name) is None:
+    arch = gguf.metadata["general.architecture"]
+    weights = [t for t in gguf.tensors if t.name not in _ROPE_FACTOR_TENSORS]
+    for tensor in weights:
+        if hf_tensor_name(tensor.name, arch) is None:
             raise ConfigError(f"{gguf.path}: tensor {tensor.name!r} has no place in a {hf['model_type']} model")
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
-        yield from pool.map(lambda tensor: _dequantize(gguf.path, tensor, hf), gguf.tensors)
+        yield from pool.map(lambda tensor: _dequantize(gguf.path, tensor, hf, arch), weights)
 
 
-def _dequantize(path: str, tensor: GGUFTensor, hf: dict):
+def _dequantized(path: str, tensor: GGUFTensor) -> np.ndarray:
     from gguf.quants import dequantize  # noqa: PLC0415
 
     try:
-        weight = dequantize(tensor.data, tensor.kind).reshape(tensor.shape)
+        return dequantize(tensor.data, tensor.kind).reshape(tensor.shape)
     except NotImplementedError as e:
         raise ConfigError(f"{path}: tensor {tensor.name!r}: {e}") from None
+
+
+def _dequantize(path: str, tensor: GGUFTensor, hf: dict, arch: str):
+    weight = _dequantized(path, tensor)
     role = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
     heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
-    if hf["model_type"] == "llama" and role in heads:
+    if arch in _PERMUTED_QK and role in heads:
         weight = unpermute_rows(weight, heads[role])
-    return path, hf_tensor_name(tensor.name), weight
+    if arch in _NORM_SHIFTED and tensor.name.endswith("norm.weight"):
+        weight = weight - np.float32(1.0)
+    return path, hf_tensor_name(tensor.name, arch), weight
 
 
 def default_dtype(gguf: GGUFFile) -> str:
@@ -261,7 +339,9 @@ def default_dtype(gguf: GGUFFile) -> str:
 def read_checkpoint(path: str) -> Checkpoint:
     """A .gguf file's config and tensors, dequantized (to its own dtype unless the caller names one: default_dtype)."""
     gguf = read_gguf(path)
-    hf = hf_config(gguf.metadata, {t.name for t in gguf.tensors}, path)
+    rope_factors = {_ROPE_FACTOR_TENSORS[t.name]: _dequantized(path, t).reshape(-1)
+                    for t in gguf.tensors if t.name in _ROPE_FACTOR_TENSORS}
+    hf = hf_config(gguf.metadata, {t.name for t in gguf.tensors}, path, rope_factors)
     cfg = from_hf_config(hf, source=path)
     return Checkpoint(cfg, default_dtype(gguf), dequantized_tensors(gguf, hf), cfg.max_position_embeddings, path,
                       f"{path}'s metadata")

@@ -140,6 +140,12 @@ def fill_state(graphdef, state, arrays: dict[str, jax.Array]) -> nnx.State:
 def hf_to_ferry_name(hf_name: str) -> tuple[str, bool]:
     """Checkpoint tensor name -> (Ferry per-layer tensor name, transpose?), e.g.
     "model.layers.3.mlp.up_proj.weight" -> ("layers.3.mlp.up_proj.kernel", True); `fill_state` stacks."""
+    # A multimodal Gemma 3's language model: "model.language_model.layers..." (transformers >= 5) or
+    # "language_model.model.layers..." (before).
+    for prefix in ("model.language_model.", "language_model.model.", "language_model."):
+        if hf_name.startswith(prefix):
+            hf_name = "model." + hf_name.removeprefix(prefix)
+            break
     name = hf_name.removeprefix("model.")
     if name == "embed_tokens.weight":
         return "embed_tokens.embedding", False

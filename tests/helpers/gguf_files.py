@@ -3,31 +3,41 @@ lays them out: its tensor names, Q/K rows permuted for the llama architecture, m
 and norms (and biases) in F32, the config and the tokenizer as metadata."""
 
 import json
+import math
 import pathlib
 
 import gguf
 import numpy as np
 import sentencepiece
 
-# Hugging Face name (after "model.layers.N.") -> llama.cpp name (after "blk.N.").
+# Hugging Face name (after "model.layers.N.") -> llama.cpp name (after "blk.N."), as its converter's
+# gguf-py/tensor_mapping.py maps them.
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
+# Families whose post_attention_layernorm is a branch-output norm (llama.cpp's post_attention_norm).
+_BRANCH_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
+_ARCH_LAYER_NAMES = {"gemma2": _BRANCH_NORMS, "gemma3": _BRANCH_NORMS, "olmo2": _BRANCH_NORMS}
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# Hugging Face model_type -> llama.cpp architecture, where they differ.
+_ARCH = {"gemma3_text": "gemma3"}
 
 # llama.cpp's token types.
 NORMAL, UNKNOWN, CONTROL, UNUSED, BYTE = 1, 2, 3, 5, 6
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     stem, _, suffix = hf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     _, _, layer, rest = stem.split(".", 3)  # model.layers.N.rest
-    return f"blk.{layer}.{_LAYER_NAMES[rest]}.{suffix}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    return f"blk.{layer}.{names[rest]}.{suffix}"
 
 
 def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -52,13 +62,13 @@ def random_k_quant_blocks(shape: tuple[int, int], kind: gguf.GGMLQuantizationTyp
 
 
 def write_gguf(torch_model, path, matrix_types, tokenizer: dict | None, seed: int = 0) -> pathlib.Path:
-    """Write `torch_model` (a transformers llama or qwen2) as a GGUF at `path`; `tokenizer` is a dict of
-    tokenizer.ggml.* metadata (see byte_level_vocab / sentencepiece_vocab), or None for none.
+    """Write `torch_model` (a transformers model of an architecture llama.cpp converts) as a GGUF at `path`;
+    `tokenizer` is a dict of tokenizer.ggml.* metadata (see byte_level_vocab / sentencepiece_vocab), or None for none.
     `matrix_types`: the GGML type of the matrices, or a list of them taken in turn; a K-quant writes
     random blocks (seeded) in place of the model's matrix."""
     matrix_types = list(matrix_types) if isinstance(matrix_types, (list, tuple)) else [matrix_types]
     config = torch_model.config
-    arch = config.model_type
+    arch = _ARCH.get(config.model_type, config.model_type)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -66,13 +76,20 @@ def write_gguf(torch_model, path, matrix_types, tokenizer: dict | None, seed: in
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
-    if config.rope_parameters.get("rope_type") == "linear":
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    # Gemma 3: the global layers' RoPE (llama.cpp fixes the local one's base at 10000).
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    extra_tensors = _add_family_fields(writer, config, rope)
     if tokenizer is not None:
         _add_tokenizer(writer, tokenizer)
     rng = np.random.default_rng(seed)
@@ -81,23 +98,49 @@ def write_gguf(torch_model, path, matrix_types, tokenizer: dict | None, seed: in
         state.pop("lm_head.weight", None)  # llama.cpp writes no output.weight for a tied head
     for index, (hf_name, weight) in enumerate(state.items()):
         matrix_type = matrix_types[index % len(matrix_types)]
-        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+        if arch in ("llama", "granite") and hf_name.endswith("q_proj.weight"):
             weight = permute_rows(weight, config.num_attention_heads)
-        if arch == "llama" and hf_name.endswith("k_proj.weight"):
+        if arch in ("llama", "granite") and hf_name.endswith("k_proj.weight"):
             weight = permute_rows(weight, config.num_key_value_heads)
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            weight = weight + np.float32(1.0)  # llama.cpp's norm_shift: it stores Gemma's 1 + w
+        name = gguf_name(hf_name, arch)
         if weight.ndim == 2 and matrix_type.name in K_QUANT_SCALES:
-            writer.add_tensor(gguf_name(hf_name), random_k_quant_blocks(weight.shape, matrix_type, rng),
-                              raw_dtype=matrix_type)
+            writer.add_tensor(name, random_k_quant_blocks(weight.shape, matrix_type, rng), raw_dtype=matrix_type)
         elif weight.ndim == 2 and matrix_type != gguf.GGMLQuantizationType.F32:
-            data = gguf.quants.quantize(weight, matrix_type)
-            writer.add_tensor(gguf_name(hf_name), data, raw_dtype=matrix_type)
+            writer.add_tensor(name, gguf.quants.quantize(weight, matrix_type), raw_dtype=matrix_type)
         else:
-            writer.add_tensor(gguf_name(hf_name), weight.astype(np.float32))
+            writer.add_tensor(name, weight.astype(np.float32))
+    for name, tensor in extra_tensors.items():
+        writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return pathlib.Path(path)
+
+
+def _add_family_fields(writer: gguf.GGUFWriter, config, rope: dict) -> dict[str, np.ndarray]:
+    """The keys llama.cpp's converter writes for the families beyond Llama's; returns the extra tensors it writes
+    (Phi-3's LongRoPE factors)."""
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None):
+            getattr(writer, f"add_{name}")(getattr(config, name))
+    if config.model_type == "granite":
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+    if rope.get("rope_type") != "longrope":
+        return {}
+    original = config.original_max_position_embeddings
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    return {"rope_factors_long.weight": np.asarray(rope["long_factor"], np.float32),
+            "rope_factors_short.weight": np.asarray(rope["short_factor"], np.float32)}
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, t: dict):

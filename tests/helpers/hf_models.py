@@ -35,6 +35,41 @@ ARCHS = {
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),  # q/k/v bias, tied
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),  # q/k norm, head_dim != hidden / heads
     "gemma": (transformers.GemmaConfig, dict(num_key_value_heads=1, head_dim=32)),  # MQA, GeGLU, (1+w) norm
+    # Windows of 8: the 17- and 40-token prompts cross them.
+    "mistral_window": (transformers.MistralConfig, dict(sliding_window=8)),
+    "qwen2_window": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # sandwich norms, soft-caps, query_pre_attn_scalar, sliding (layer 0) then global (layer 1), attention bias
+    "gemma2": (transformers.Gemma2Config, dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+                                               attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+                                               attention_bias=True)),
+    # q/k norms; local RoPE (theta 10k, no scaling) on sliding layers, linear-scaled global RoPE on full ones
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=8, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})),
+    # Phi-3: fused qkv/gate_up checkpoint tensors, LongRoPE. Each sequence stays on one side of original_max
+    # (transformers' generate recomputes a sequence that crosses it, Ferry does not: models/transformer.rope_tables):
+    # here every prompt passes it (4), the long factors throughout; sliding window 8.
+    "phi3": (transformers.Phi3Config, dict(
+        original_max_position_embeddings=4, sliding_window=8, rope_scaling=dict(
+            type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+            long_factor=[1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0, 24.0]))),
+    # Phi-4-mini: partial rotary 0.75 (12 of 16 features rotate), tied head; no sequence reaches original_max (128),
+    # the short factors and the attention factor of max/original = 2
+    "phi4_mini": (transformers.Phi3Config, dict(
+        partial_rotary_factor=0.75, original_max_position_embeddings=128, tie_word_embeddings=True,
+        rope_scaling=dict(type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                          long_factor=[1.5, 2.5, 4.0, 6.0, 9.0, 13.0]))),
+    "olmo2": (transformers.Olmo2Config, dict()),  # branch-output norms, q/k norms over all heads
+    "granite": (transformers.GraniteConfig, dict(embedding_multiplier=6.0, attention_multiplier=0.09,
+                                                 residual_multiplier=0.3, logits_scaling=4.0)),
+    "llama_yarn": (transformers.LlamaConfig, dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, beta_fast=16,
+        beta_slow=1))),
+    # dynamic NTK: the base grows once a sequence passes max_position_embeddings (24 here)
+    "llama_dynamic": (transformers.LlamaConfig, dict(max_position_embeddings=24, rope_parameters=dict(
+        rope_type="dynamic", rope_theta=10000.0, factor=2.0))),
 }
 
 
@@ -55,18 +90,31 @@ def make_hf_model(arch: str, out_dir, seed: int = 0, dtype=torch.float32, **over
     config = config_cls(**{**_COMMON, **arch_overrides, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    if arch == "gemma":  # its norms initialise to zero (scale 1 + w); give them something to do
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.normal_(0.0, 0.2)
+    # Every norm weight and bias moved off its init (ones, Gemma's zeros, zero biases): a parameter Ferry ignored
+    # would then change the output.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", ".bias")):
+                p.add_(torch.randn_like(p) * 0.2)
     model.generation_config.eos_token_id = None  # greedy runs the full length
     model.save_pretrained(out_dir)
     return model
 
 
+def fresh_rope(model):
+    """Forget the longest sequence a dynamic-NTK rotary embedding has seen: transformers keeps it across calls
+    (and keeps the frequencies it grew to until a call shorter than max_position_embeddings resets them), where
+    each reference call here stands for a new request, as each sequence is to Ferry."""
+    for module in model.modules():
+        if hasattr(module, "max_seq_len_cached") and hasattr(module, "original_inv_freq"):
+            module.inv_freq = module.original_inv_freq.clone()
+            module.max_seq_len_cached = module.original_max_seq_len
+    return model
+
+
 def hf_greedy(model, prompt: list[int], num_new: int):
     """(tokens, per-step logits [num_new, vocab]) from transformers' own generate."""
+    fresh_rope(model)
     ids = torch.tensor([prompt])
     # An explicit mask: a prompt may hold the pad id (e.g. a second turn that resends a generated answer),
     # and generate would otherwise infer the mask from it and hide those tokens.
@@ -78,6 +126,7 @@ def hf_greedy(model, prompt: list[int], num_new: int):
 
 
 def hf_logits(model, prompt: list[int]) -> np.ndarray:
+    fresh_rope(model)
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0].float().numpy()
 

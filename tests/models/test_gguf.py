@@ -258,3 +258,43 @@ def test_cli_resolves_gguf_paths(case):
     assert cli_flags.resolve_model_dir(str(case.path)) == str(case.path)
     assert cli_flags.resolve_model_dir(str(case.path.parent)) == str(case.path.parent)
     assert os.path.isfile(cli_flags.resolve_model_dir("smollm2"))
+
+
+# hf_models arch -> the overrides that make it what llama.cpp's converter can express: Gemma 2/3's query scale is
+# 1/sqrt(head_dim) (their non-27B models) and no attention bias; Gemma 3's layer pattern is llama.cpp's fixed 6.
+FAMILIES = {
+    "gemma2": dict(query_pre_attn_scalar=32, attention_bias=False),
+    "gemma3": dict(query_pre_attn_scalar=32, layer_types=None, num_hidden_layers=6),
+    "phi3": {}, "phi4_mini": {}, "qwen3": {}, "olmo2": {}, "granite": {},
+}
+
+
+def _approx(value):
+    """A config value with its floats rounded to float32 (GGUF metadata's precision)."""
+    if isinstance(value, float):
+        return float(np.float32(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_approx(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _approx(v) for k, v in value.items()}
+    return value
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_family_gguf_matches_its_source_model(arch, tmp_path):
+    """A GGUF of each family llama.cpp converts (float32 matrices), read back: its config and weights give the
+    logits of the model the file was written from (transformers' GGUF reader lacks several of these families'
+    keys, so the reference is the source model)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    source = make_hf_model(arch, tmp_path / "hf", seed=seed, **FAMILIES[arch])
+    path = write_gguf(source, tmp_path / "model.gguf", Q.F32, tokenizer=None)
+    loaded = load_model(str(path))
+    ours, want = loaded.cfg.to_json(), load_model(str(tmp_path / "hf")).cfg.to_json()
+    for field in set(want) - {"bos_token_id", "eos_token_ids", "pad_token_id"}:  # the tokenizer's, absent here
+        # GGUF metadata floats are float32
+        assert _approx(ours[field]) == _approx(want[field]), f"{arch}: {field}"
+    prompts = [np.random.default_rng(seed).integers(3, 384, size=n).tolist() for n in (5, 40)]
+    run = paged_greedy(loaded, prompts, 8)
+    for prompt, logits, tokens in zip(prompts, run.prompt_logits, run.tokens):
+        assert rel_err(logits, hf_logits(source, prompt)) < 1e-4, f"{arch} (seed {seed}) len {len(prompt)}"
+        check_greedy_match(tokens, *hf_greedy(source, prompt, 8))

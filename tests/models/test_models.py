@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from helpers.hf_models import (
+    _COMMON,
     ARCHS,
     check_greedy_match,
     hf_greedy,
@@ -21,7 +22,7 @@ from helpers.hf_models import (
 )
 from models.checkpoints.ferry import save_checkpoint
 from models.checkpoints.tensors import per_layer_tensors
-from models.config import ConfigError
+from models.config import ConfigError, from_hf_config
 from models.loading import load_model
 
 NUM_NEW = 32
@@ -87,15 +88,62 @@ def test_bf16_logits_and_greedy_match_transformers_bf16(arch, tmp_path):
         print(f"{arch} bf16 (seed {seed}): accepted near-ties: {ties}")
 
 
+def _chunk_splits(prompts, cfg) -> list[tuple[list, int]]:
+    """(prompts, first chunk's length) runs. A length-dependent RoPE picks its frequencies from the sequence's
+    length at each chunk (models/transformer.rope_tables): a chunk boundary past a dynamic NTK's threshold, or a
+    first chunk ending before longrope's while the prompt passes it, rotates keys otherwise than one chunk does.
+    So those prompts split past longrope's threshold, or (dynamic) not at all; the rest as any model's."""
+    ropes = [rope for rope in cfg.ropes() if rope.length_dependent]
+    if not ropes:
+        return [(prompts, 4)]
+    threshold = max(rope.original_max for rope in ropes)
+    runs = [([p for p in prompts if len(p) <= threshold], 4)]
+    if all(rope.long_inv_freq is not None for rope in ropes):
+        runs.append(([p for p in prompts if len(p) > threshold + 1], threshold + 1))
+    return [(ps, split) for ps, split in runs if ps]
+
+
 def test_two_chunk_prefill_matches_one_chunk(arch_model):
     """Prefix first, rest second: the second chunk reads the prefix only through the paged cache."""
     arch, seed, torch_model, loaded, _ = arch_model
-    prompts = _prompts(seed + 1, loaded.cfg.vocab_size)
-    whole = paged_greedy(loaded, prompts, 2)
-    split = paged_greedy(loaded, prompts, 2, split=4)
-    for p, a, b in zip(prompts, whole.prompt_logits, split.prompt_logits):
-        assert rel_err(b, a) < 1e-5, f"{arch} len {len(p)}"
-        assert rel_err(b, hf_logits(torch_model, p)) < 1e-4
+    for prompts, first in _chunk_splits(_prompts(seed + 1, loaded.cfg.vocab_size), loaded.cfg):
+        whole = paged_greedy(loaded, prompts, 2)
+        split = paged_greedy(loaded, prompts, 2, split=first)
+        for p, a, b in zip(prompts, whole.prompt_logits, split.prompt_logits):
+            assert rel_err(b, a) < 1e-5, f"{arch} len {len(p)} split {first}"
+            assert rel_err(b, hf_logits(torch_model, p)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["mistral_window", "gemma2"])
+def test_sliding_window_is_exercised(arch, tmp_path):
+    """The same weights without the window: the logits agree while the prompt fits the window and differ past
+    it, so the parity tests above cover windowed attention (not a window that never bites)."""
+    make_hf_model(arch, tmp_path, seed=3)
+    windowed = load_model(str(tmp_path))
+    _edit_config(tmp_path / "config.json", sliding_window=None)
+    full = load_model(str(tmp_path))
+    assert windowed.cfg.sliding_window == 8 and full.cfg.sliding_window is None
+    prompt = _prompts(3, windowed.cfg.vocab_size)[2]
+    a, b = (paged_greedy(m, [prompt], 1).prompt_logits[0] for m in (windowed, full))
+    assert rel_err(a[:8], b[:8]) < 1e-5
+    assert rel_err(a[8:], b[8:]) > 1e-2
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text(tmp_path):
+    """A gemma3 (image-text) checkpoint: its text_config and language model weights, the vision tower unread."""
+    config_cls, overrides = ARCHS["gemma3"]
+    text = config_cls(**{**_COMMON, **overrides}).to_dict()
+    config = transformers.Gemma3Config(
+        text_config=text, mm_tokens_per_image=4, boi_token_index=380, eoi_token_index=381, image_token_index=382,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8))
+    torch.manual_seed(0)
+    torch_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    torch_model.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.cfg.model_type == "gemma3_text"
+    prompt = _prompts(5, loaded.cfg.vocab_size)[2]
+    assert rel_err(paged_greedy(loaded, [prompt], 1).prompt_logits[0], hf_logits(torch_model, prompt)) < 1e-4
 
 
 def _save_legacy_orbax_checkpoint(model, out_dir) -> str:
@@ -171,3 +219,43 @@ def test_clear_errors(tmp_path):
     os.remove(cfg_path)
     with pytest.raises(FileNotFoundError, match="neither"):
         load_model(str(tmp_path / "m"))
+
+
+_TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2)
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(model_type="llama", partial_rotary_factor=0.5), "partial_rotary_factor is not supported for llama"),
+    (dict(model_type="llama", attention_multiplier=0.1), "attention_multiplier is not supported for llama"),
+    (dict(model_type="mistral", logits_scaling=2.0), "logits_scaling is not supported for mistral"),
+    (dict(model_type="llama", rope_scaling=dict(rope_type="mrope")), "rope scaling type 'mrope' is not supported"),
+    (dict(model_type="phi3", rope_scaling=dict(type="longrope", short_factor=[1.0] * 4)), "long_factor"),
+    (dict(model_type="phi3", rope_scaling=dict(type="longrope", short_factor=[1.0] * 3, long_factor=[1.0] * 3)),
+     "rotary_dim / 2 = 4"),
+    (dict(model_type="llama", rope_scaling=dict(rope_type="yarn")), "factor"),
+    (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(model_type="gemma3_text", rope_parameters=dict(sliding_attention=dict(rope_type="linear", factor=2.0),
+                                                          full_attention=dict(rope_type="default"))),
+     r"rope_parameters\['sliding_attention'\]"),
+    (dict(model_type="gemma3", text_config=dict(model_type="llama")), "use the text-only checkpoint"),
+    (dict(model_type="phi3", partial_rotary_factor=0.375), "odd or empty rotary dim"),
+])
+def test_unsupported_fields_are_config_errors(config, message):
+    with pytest.raises(ConfigError, match=message):
+        from_hf_config({**_TINY, **config}, source="cfg.json")
+
+
+def test_family_layer_rules_without_layer_types():
+    """transformers' rules where a config lists no layer_types: Gemma 2 alternates (sliding first), Gemma 3 puts a
+    full layer every sliding_window_pattern; Gemma 3's older format names the local RoPE rope_local_base_freq."""
+    sliding, full = "sliding_attention", "full_attention"
+    gemma2 = from_hf_config({**_TINY, "model_type": "gemma2", "sliding_window": 8, "query_pre_attn_scalar": 4})
+    assert gemma2.layer_types == (sliding, full, sliding, full) and gemma2.query_scale == 0.5
+    gemma3 = from_hf_config({**_TINY, "model_type": "gemma3_text", "sliding_window": 8, "sliding_window_pattern": 3,
+                             "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                             "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert gemma3.layer_types == (sliding, sliding, full, sliding) and gemma3.layer_ropes == (1, 1, 0, 1)
+    assert gemma3.rope_theta == 1e6 and gemma3.rope_local_theta == 1e4
+    assert dict(gemma3.rope_scaling) == {"rope_type": "linear", "factor": 8.0}
+    # no window that bites (None): the local RoPE still follows the layer types
+    assert from_hf_config({**_TINY, "model_type": "gemma3_text", "sliding_window": None}).layer_ropes == (1, 1, 1, 1)

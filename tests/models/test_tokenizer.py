@@ -332,3 +332,44 @@ def test_corrupt_files_name_the_file(tmp_path, hf_dir, name, content):
     with pytest.raises(TokenizerError) as e:
         load_tokenizer(str(tmp_path))
     assert str(tmp_path / name) in str(e.value)
+
+
+# The families' own templates (as their Hugging Face tokenizer_config.json hold them): Gemma's has no system role
+# and calls the assistant "model"; Phi-3's ends each turn with <|end|>, and a finished chat with EOS.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template, conversation, starts", [
+    (GEMMA_TEMPLATE, CONVERSATION[1:], "<|begin_of_text|><start_of_turn>user\nWhat is 中文"),
+    (PHI3_TEMPLATE, CONVERSATION, "<|system|>\nYou are terse."),
+])
+def test_family_chat_templates_match_transformers(tmp_path, template, conversation, starts):
+    write_byte_level_bpe_dir(tmp_path, chat_template=template)  # the template in tokenizer_config.json
+    ours, theirs = load_tokenizer(str(tmp_path)), transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for add_generation_prompt in (True, False):
+        text = ours.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        assert text == theirs.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        assert text.startswith(starts)
+    assert text.endswith("<end_of_turn>\n" if template is GEMMA_TEMPLATE else "<|end|>\n<|eot_id|>")
+
+
+def test_gemma_template_refuses_a_system_turn(tmp_path):
+    write_byte_level_bpe_dir(tmp_path, chat_template=GEMMA_TEMPLATE)
+    with pytest.raises(ChatTemplateError, match="System role not supported"):
+        load_tokenizer(str(tmp_path)).apply_chat_template(CONVERSATION)
+    with pytest.raises(jinja2.TemplateError, match="System role not supported"):
+        transformers.AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(CONVERSATION, tokenize=False)
