@@ -81,6 +81,15 @@ class ModelConfig:
         return self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     @property
+    def max_context_len(self) -> int:
+        """The longest context the model serves: max_position_embeddings, times the factor of dynamic NTK scaling
+        (which stretches RoPE past it as a sequence grows, as vLLM derives its max_model_len)."""
+        scaling = dict(self.rope_scaling or ())
+        if scaling.get("rope_type") == "dynamic":
+            return int(self.max_position_embeddings * float(scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
     def rotary_dim(self) -> int:
         """The leading features of each head that RoPE rotates (transformers' int(head_dim * factor))."""
         return int(self.head_dim * self.partial_rotary_factor)

@@ -70,7 +70,7 @@ def unstack_layers(model: LoadedModel) -> LoadedModel:
 def random_model(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0, max_model_len: int | None = None) -> LoadedModel:
     """Random weights (benchmarks and tests)."""
     graphdef, state = nnx.split(Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
-    return LoadedModel(cfg, graphdef, state, max_model_len or cfg.max_position_embeddings)
+    return LoadedModel(cfg, graphdef, state, max_model_len or cfg.max_context_len)
 
 
 def model_from_checkpoint(checkpoint: Checkpoint, dtype=None) -> LoadedModel:

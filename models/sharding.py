@@ -37,10 +37,6 @@ def check_tensor_parallel(cfg, tp: int) -> None:
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         raise ValueError(f"tensor_parallel_size {tp} must divide, or be a multiple of, the model's "
                          f"{cfg.num_kv_heads} KV heads")
-    if cfg.qk_norm_all_heads and cfg.num_kv_heads % tp:
-        # OLMo 2's k_norm weighs every KV head's features: replicated heads would need it re-laid and re-weighted.
-        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {cfg.num_kv_heads} KV heads: its k_norm "
-                         f"spans all KV heads, which are not replicated across shards")
 
 
 def param_spec(name: str, shape: tuple[int, ...], tp: int) -> P:
@@ -73,6 +69,12 @@ def replicate_kv_heads(model, tp: int):
         k, v = (jnp.repeat(x.reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim), repeats, axis=-2)
                 .reshape(*x.shape[:-1], -1) for x in (k, v))
         qkv[leaf] = fuse_columns([q, k, v], 1)
+    if cfg.qk_norm_all_heads:  # OLMo 2's k_norm over all KV heads: each head's weights repeated with it (every head
+        # repeated alike, the mean square over the repeats is the original's)
+        k_norm = params["layers"]["self_attn"]["k_norm"]
+        w = k_norm["weight"]
+        k_norm["weight"] = jnp.repeat(w.reshape(*w.shape[:-1], cfg.num_kv_heads, cfg.head_dim), repeats,
+                                      axis=-2).reshape(*w.shape[:-1], -1)
     new_cfg = dataclasses.replace(cfg, num_kv_heads=tp)
     graphdef, state = abstract_model(new_cfg, model.dtype)
     nnx.replace_by_pure_dict(state, params)

@@ -67,7 +67,7 @@ def decode_step_check(model_dir, num_seqs, max_model_len, block_size, copy_gbs, 
     from engine.worker.packing import SeqSlice, pack  # noqa: PLC0415
     from models.loading import random_model, read_checkpoint  # noqa: PLC0415
     from models.mesh import make_mesh  # noqa: PLC0415
-    from models.paged import init_kv_cache  # noqa: PLC0415
+    from models.paged import init_kv_cache, kv_cache_groups  # noqa: PLC0415
     from models.transformer import StaticGraphDef  # noqa: PLC0415
     from pallas_kernels.kernels import Kernels  # noqa: PLC0415
 
@@ -77,12 +77,14 @@ def decode_step_check(model_dir, num_seqs, max_model_len, block_size, copy_gbs, 
     mesh = make_mesh(jax.devices()[:1])
     kernels = Kernels.for_mesh(mesh, dtype, dtype, "pallas_tpu_interpret" if interpret else None)
     width = math.ceil(max_model_len / block_size)
-    buckets = Buckets.make(num_seqs, num_seqs, width)
+    groups = kv_cache_groups(cfg)
+    ids = width * groups.num_groups  # block ids per sequence: a logical block's in every KV cache group
+    buckets = Buckets.make(num_seqs, num_seqs, width, kv_groups=groups.num_groups)
     layout = buckets.decode_layout(buckets.pick(buckets.decode_batch, num_seqs))
-    cache = init_kv_cache(cfg.num_layers, 1 + num_seqs * width, block_size,
+    cache = init_kv_cache(groups.num_slots, 1 + num_seqs * ids, block_size,
                           *kernels.kv_page_dims(cfg.num_kv_heads, cfg.head_dim, dtype), dtype)
     rng = np.random.default_rng(0)
-    pages = rng.permutation(np.arange(1, 1 + num_seqs * width)).reshape(num_seqs, width).tolist()
+    pages = rng.permutation(np.arange(1, 1 + num_seqs * ids)).reshape(num_seqs, ids).tolist()
     seqs = [SeqSlice([int(rng.integers(cfg.vocab_size))], max_model_len - 1, table) for table in pages]
     buf = pack(seqs, layout, block_size)
     fed = jnp.zeros(buckets.decode_batch[-1], jnp.int32)

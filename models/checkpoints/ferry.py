@@ -44,7 +44,7 @@ def read_checkpoint(ckpt_dir: str) -> Checkpoint:
     ckpt_dir = os.path.abspath(ckpt_dir)
     meta = read_json(os.path.join(ckpt_dir, FERRY_CONFIG))
     cfg = ModelConfig.from_json(meta["model"])
-    max_model_len = int(meta.get("max_model_len", cfg.max_position_embeddings))
+    max_model_len = int(meta.get("max_model_len", cfg.max_context_len))
     config_source = os.path.join(ckpt_dir, FERRY_CONFIG)
     if os.path.isdir(os.path.join(ckpt_dir, LEGACY_PARAMS_DIR)):
         tensors = orbax_tensors(os.path.join(ckpt_dir, LEGACY_PARAMS_DIR), cfg)

@@ -343,5 +343,5 @@ def read_checkpoint(path: str) -> Checkpoint:
                     for t in gguf.tensors if t.name in _ROPE_FACTOR_TENSORS}
     hf = hf_config(gguf.metadata, {t.name for t in gguf.tensors}, path, rope_factors)
     cfg = from_hf_config(hf, source=path)
-    return Checkpoint(cfg, default_dtype(gguf), dequantized_tensors(gguf, hf), cfg.max_position_embeddings, path,
+    return Checkpoint(cfg, default_dtype(gguf), dequantized_tensors(gguf, hf), cfg.max_context_len, path,
                       f"{path}'s metadata")

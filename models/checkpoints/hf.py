@@ -12,7 +12,7 @@ from models.config import load_hf_config, read_json
 def read_checkpoint(model_dir: str) -> Checkpoint:
     cfg, hf = load_hf_config(model_dir)
     return Checkpoint(cfg, hf.get("dtype") or hf.get("torch_dtype") or "float32", safetensors_tensors(model_dir),
-                      cfg.max_position_embeddings, model_dir, f"{model_dir}/config.json")
+                      cfg.max_context_len, model_dir, f"{model_dir}/config.json")
 
 
 def safetensors_files(model_dir: str) -> list[str]:

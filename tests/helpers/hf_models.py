@@ -50,9 +50,9 @@ ARCHS = {
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})),
     # Phi-3: fused qkv/gate_up checkpoint tensors, LongRoPE. Each sequence stays on one side of original_max
     # (transformers' generate recomputes a sequence that crosses it, Ferry does not: models/transformer.rope_tables):
-    # here every prompt passes it (4), the long factors throughout; sliding window 8.
+    # here every prompt passes it (2), the long factors throughout; sliding window 8.
     "phi3": (transformers.Phi3Config, dict(
-        original_max_position_embeddings=4, sliding_window=8, rope_scaling=dict(
+        original_max_position_embeddings=2, sliding_window=8, rope_scaling=dict(
             type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
             long_factor=[1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0, 24.0]))),
     # Phi-4-mini: partial rotary 0.75 (12 of 16 features rotate), tied head; no sequence reaches original_max (128),
@@ -67,9 +67,9 @@ ARCHS = {
     "llama_yarn": (transformers.LlamaConfig, dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, beta_fast=16,
         beta_slow=1))),
-    # dynamic NTK: the base grows once a sequence passes max_position_embeddings (24 here)
+    # dynamic NTK: the base grows once a sequence passes max_position_embeddings (24 here; the model serves 4x that)
     "llama_dynamic": (transformers.LlamaConfig, dict(max_position_embeddings=24, rope_parameters=dict(
-        rope_type="dynamic", rope_theta=10000.0, factor=2.0))),
+        rope_type="dynamic", rope_theta=10000.0, factor=4.0))),
 }
 
 
