@@ -1,8 +1,8 @@
 """KV cache a long request holds, by the KV cache manager's own count: with the model's sliding windows (KV cache
 groups, models/paged.KVCacheGroups) and without them. One request of --context tokens is prefilled in --chunk
 token chunks and then decodes --decode tokens through engine.core.kv_cache_manager.KVCacheManager, exactly as
-the scheduler drives it (blocks for the whole prompt at admission, blocks behind a window freed after each
-step); no model runs. Prints a table and writes JSON.
+the scheduler drives it (the full-attention groups' blocks for the whole prompt at admission, a sliding group's
+for each chunk, blocks behind a window freed after each step); no model runs. Prints a table and writes JSON.
 
     python scripts/kv_cache_usage.py --model path/to/gemma-3-27b-it --context 32768
 """
@@ -23,8 +23,8 @@ from models.paged import kv_cache_groups  # noqa: E402
 
 
 def held_blocks(group_windows: tuple[int, ...], context: int, chunk: int, decode: int, block_size: int) -> dict:
-    """Block ids one request holds: at its peak (admission: its whole prompt), after its prefill, after its
-    decodes. Each id is a page in every slot of the pool."""
+    """Block ids one request holds: at its peak, after its prefill, after its decodes. Each id is a page in
+    every slot of the pool."""
     groups = len(group_windows)
     kv = KVCacheManager(num_blocks=2 + (context + decode) // block_size * groups + groups, num_host_blocks=0,
                         block_size=block_size, enable_prefix_caching=False, group_windows=group_windows)
@@ -32,9 +32,12 @@ def held_blocks(group_windows: tuple[int, ...], context: int, chunk: int, decode
     assert kv.allocate_prefill(request) is not None
     request.status = RequestStatus.RUNNING
     held = lambda: kv.num_total - kv.num_free  # noqa: E731
-    peak = held()
+    peak = 0
     while request.num_computed_tokens < request.prefill_target:  # the chunks, each step's update after it
-        request.num_computed_tokens = min(request.num_computed_tokens + chunk, request.prefill_target)
+        end = min(request.num_computed_tokens + chunk, request.prefill_target)
+        assert kv.allocate_chunk(request, end) is not None
+        peak = max(peak, held())
+        request.num_computed_tokens = end
         kv.free_behind_window(request)
     after_prefill = held()
     for _ in range(decode):

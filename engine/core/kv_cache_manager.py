@@ -13,10 +13,12 @@ Prefix caching (vLLM v1's automatic prefix caching, SGLang's RadixAttention as a
 
 KV cache groups (models/paged.KVCacheGroups): a model whose layers mix full and sliding-window attention has G
 groups, and a request holds G block ids per logical block, group-minor in one list (entry i * G + g), so every
-count here is of block ids. A sliding group's blocks wholly behind the window of the request's next query are
-freed as it advances (free_behind_window) and their entries become the null block: a long sequence holds its
-context on the full-attention groups and about a window on the sliding ones. A prefix-cache hit needs the
-logical block cached in every group (each group's copy under its own key).
+count here is of block ids. A prompt's sliding-group blocks are taken chunk by chunk (allocate_chunk: the
+entries are null placeholders until then), and a sliding group's blocks wholly behind the window of the
+request's next query are freed as it advances (free_behind_window; their entries become the null block): a long
+sequence holds its context on the full-attention groups and about a window plus a chunk on the sliding ones,
+prefill included. A prefix-cache hit needs the logical block cached in every full group (each group's copy
+under its own key), and in the sliding groups only the blocks its window reads.
 """
 
 import hashlib
@@ -69,6 +71,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.num_groups = len(group_windows)
         self.sliding_groups = tuple(g for g, w in enumerate(group_windows) if w)
+        self.full_groups = self.num_groups - len(self.sliding_groups)
         if len({group_windows[g] for g in self.sliding_groups}) > 1:
             raise ValueError(f"KV cache groups with different sliding windows {group_windows} are not supported")
         self.window = group_windows[self.sliding_groups[0]] if self.sliding_groups else 0
@@ -95,6 +98,33 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         """Block ids (a logical block's in every group) holding num_tokens."""
         return cdiv(num_tokens, self.block_size) * self.num_groups
+
+    def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most block ids a request of num_tokens holds at once, in prefill chunks of at most chunk_tokens:
+        every block of the full groups; of a sliding group, those of a chunk and the window before it."""
+        blocks = cdiv(num_tokens, self.block_size)
+        window = cdiv(self.window - 1 + chunk_tokens, self.block_size) + 1
+        return blocks * self.full_groups + min(blocks, window) * len(self.sliding_groups)
+
+    def _behind(self, num_tokens: int) -> int:
+        """Leading logical blocks a query at position num_tokens reads nothing of (0 without a window)."""
+        return max(num_tokens - self.window + 1, 0) // self.block_size if self.sliding_groups else 0
+
+    def _sliding_needed(self, null: list[bool], start: int, end: int) -> int:
+        """Sliding-group blocks a prefill chunk of positions [start, end) lacks, over which of a request's block
+        entries are null (a logical block past them lacks them all): its window's and its own null ones."""
+        groups, needed = self.num_groups, 0
+        for i in range(self._behind(start), cdiv(end, self.block_size)):
+            needed += sum(i * groups + g >= len(null) or null[i * groups + g] for g in self.sliding_groups)
+        return needed
+
+    def chunk_blocks(self, request: Request, end: int) -> int:
+        """Blocks the request's next prefill chunk, to position `end`, takes (allocate_chunk); a swapped request's
+        host blocks come back as they were."""
+        if not self.sliding_groups:
+            return 0
+        null = [b == NULL_BLOCK for b in request.block_ids] + [h == NO_HOST_BLOCK for h in request.host_block_ids]
+        return self._sliding_needed(null, request.num_computed_tokens, end)
 
     def num_blocks(self, request: Request) -> int:
         """Block entries the request holds: on the device, plus on the host while swapped (freed ones count)."""
@@ -145,15 +175,25 @@ class KVCacheManager:
         """The prefix cache's key of a logical block's copy in `group` (group 0's is the block hash)."""
         return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
-    def admission_cost(self, request: Request, hits: list[int]) -> int:
-        """Free blocks that admitting `request` with these hits consumes: a swapped request's host blocks
-        (and its decode slot), else the blocks for the rest of its prefill target; plus every hit on a free
+    def admission_cost(self, request: Request, hits: list[int], chunk_end: int = 0) -> int:
+        """Free blocks that admitting `request` with these hits, its first chunk ending at `chunk_end`, consumes: a
+        swapped request's host blocks (and its decode slot, or its chunk's blocks), else the full groups' blocks
+        for the rest of its prefill target and the sliding groups' for its chunk; plus every hit on a free
         (evictable) cached block, which leaves the free count. A hit on a held block costs nothing."""
         if request.status is RequestStatus.SWAPPED:
             return (sum(h != NO_HOST_BLOCK for h in request.host_block_ids)
-                    + self.needs_decode_slot(request) * self.num_groups)
-        new = self.blocks_for(request.prefill_target) - len(request.block_ids) - len(hits)
+                    + self.needs_decode_slot(request) * self.num_groups
+                    + (self.chunk_blocks(request, chunk_end) if request.in_prefill else 0))
+        entries = request.block_ids + hits
+        held = len(entries) // self.num_groups
+        new = (cdiv(request.prefill_target, self.block_size) - held) * self.full_groups
+        if self.sliding_groups:
+            new += self._sliding_needed([b == NULL_BLOCK for b in entries], held * self.block_size, chunk_end)
         return new + sum(self.device_pool.ref_count(b) == 0 for b in hits if b != NULL_BLOCK)
+
+    def hit_tokens(self, hits: list[int]) -> int:
+        """The tokens a waiting request's cache hits hold (where its first chunk starts)."""
+        return len(hits) // self.num_groups * self.block_size
 
     def take_prefix(self, request: Request, hits: list[int]) -> None:
         """Admit a waiting request's cache hits: it holds them and starts computing after them."""
@@ -171,8 +211,32 @@ class KVCacheManager:
 
     def allocate_prefill(self, request: Request) -> list[int] | None:
         """New blocks up to the request's whole prefill target, appended to its blocks; None (nothing
-        changed) when they don't fit."""
-        return self._allocate(request, self.blocks_for(request.prefill_target) - len(request.block_ids))
+        changed) when they don't fit. Sliding groups get null placeholders, filled chunk by chunk
+        (allocate_chunk)."""
+        missing = self.blocks_for(request.prefill_target) - len(request.block_ids)
+        if not self.sliding_groups:
+            return self._allocate(request, missing)
+        if missing // self.num_groups * self.full_groups > self.device_pool.num_free:
+            return None
+        new = iter(self.device_pool.allocate(missing // self.num_groups * self.full_groups))
+        request.block_ids += [NULL_BLOCK if g in self.sliding_groups else next(new)
+                              for _ in range(missing // self.num_groups) for g in range(self.num_groups)]
+        return request.block_ids[-missing:] if missing else []
+
+    def allocate_chunk(self, request: Request, end: int) -> list[tuple[int, int]] | None:
+        """The sliding-group blocks of a prefill chunk to position `end` and the window before it, into the
+        request's null entries: [(entry index, block id)], or None (nothing changed) when they don't fit."""
+        if not self.sliding_groups:
+            return []
+        ids, groups = request.block_ids, self.num_groups
+        entries = [i * groups + g for i in range(self._behind(request.num_computed_tokens), cdiv(end, self.block_size))
+                   for g in self.sliding_groups if ids[i * groups + g] == NULL_BLOCK]
+        if len(entries) > self.device_pool.num_free:
+            return None
+        fills = list(zip(entries, self.device_pool.allocate(len(entries))))
+        for entry, block_id in fills:
+            ids[entry] = block_id
+        return fills
 
     def allocate_decode_slots(self, decoders: list[Request]) -> bool:
         """A logical block each (num_groups ids) for running decoders whose next position starts one
@@ -329,10 +393,10 @@ class KVCacheManager:
         for r in requests:
             for entry, block_id in enumerate(r.block_ids):
                 i, g = divmod(entry, groups)
-                if block_id == NULL_BLOCK:
+                if block_id == NULL_BLOCK:  # behind the window, or (a placeholder) not computed yet
                     behind = (i + 1) * self.block_size <= r.num_computed_tokens - self.window + 1
-                    check(g in self.sliding_groups and behind,
-                          f"{r.request_id}: entry {entry} is the null block but not behind a window")
+                    check(g in self.sliding_groups and (behind or i * self.block_size >= r.num_computed_tokens),
+                          f"{r.request_id}: entry {entry} is the null block but neither behind a window nor ahead")
                     continue
                 block_hash = self.device_pool.block_hash(block_id)
                 if block_hash is not None:

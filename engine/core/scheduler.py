@@ -115,6 +115,7 @@ class _StepState:
     admitted: list[Request] = field(default_factory=list)  # joined the running set this step
     pending: list[_Pending] = field(default_factory=list)
     host_blocks_to_free: list[int] = field(default_factory=list)
+    filled: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # sliding blocks of this step's chunks
 
     def trace(self, phase: str, **info) -> None:
         self.plan.trace.append((phase, info))
@@ -161,8 +162,8 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
         if n > c.max_model_len:
             raise ValueError(f"request {rid!r}: prompt of {n} tokens is longer than max_model_len={c.max_model_len}")
-        # Every block at once, as a prompt's prefill takes them (a sliding window frees some only as it goes).
-        need = self.kv.blocks_for(min(n + request.max_tokens, c.max_model_len))
+        need = self.kv.peak_blocks(min(n + request.max_tokens, c.max_model_len),
+                                   c.chunk_size or c.max_num_batched_tokens)
         if need > self.kv.num_total:
             raise ValueError(
                 f"request {rid!r} can never fit in the KV cache: {n} prompt + {request.max_tokens} max tokens "
@@ -278,7 +279,9 @@ class Scheduler:
         for request in sorted(step.prefilling, key=_order):
             if step.tokens_left == 0:
                 break
-            step.plan.prefills.append(self._next_chunk(request, step))
+            chunk = self._next_chunk(request, step)
+            step.plan.prefills.append(chunk)
+            step.blocks_left -= self.kv.chunk_blocks(request, chunk.start + chunk.length)
             continued.append(request.request_id)
         stopped_at = None
         for request in self._admission_queue():
@@ -314,7 +317,15 @@ class Scheduler:
             self.swapped = [r for r in self.swapped if r.status is RequestStatus.SWAPPED]
 
     def _decode(self, step: _StepState) -> None:
-        """Every running request past its prefill gets the slot for position num_tokens-1 and decodes."""
+        """Every running request past its prefill gets the slot for position num_tokens-1 and decodes; every
+        prefill chunk gets its sliding-group blocks (KVCacheManager.allocate_chunk)."""
+        for chunk in step.plan.prefills if self.kv.sliding_groups else ():
+            fills = self.kv.allocate_chunk(chunk.request, chunk.start + chunk.length)
+            if fills is None:
+                raise RuntimeError(f"scheduler bug: {self.kv.num_free} free blocks for the chunk of "
+                                   f"{chunk.request.request_id!r}")
+            if fills:
+                step.filled[chunk.request.request_id] = fills
         if not self.kv.allocate_decode_slots(step.slot_takers):
             raise RuntimeError(f"scheduler bug: {self.kv.num_free} free blocks for {len(step.slot_takers)} "
                                f"decode slots")
@@ -394,6 +405,7 @@ class Scheduler:
             new_requests=[NewRequestData.of(r) for r in admitted if r.status is RequestStatus.RUNNING],
             new_block_ids={r.request_id: r.block_ids[-groups:]
                            for r in step.slot_takers if r.request_id not in new_ids},
+            filled_block_ids={rid: fills for rid, fills in step.filled.items() if rid not in new_ids},
             finished_req_ids=self._take_aborted() + [r.request_id for r in plan.finished],
             preempted_req_ids=[r.request_id for r in plan.preempted + plan.swapped],
             swap_out=[(r.request_id, ids) for r, ids in plan.swap_out],
@@ -426,20 +438,23 @@ class Scheduler:
         if len(self.running) + len(step.pending) >= self.config.max_num_seqs or step.tokens_left == 0:
             return False
         hits = self.kv.cached_prefix(request)
-        need = self.kv.admission_cost(request, hits)
+        waiting = request.status is RequestStatus.WAITING
+        start = self.kv.hit_tokens(hits) if waiting else request.num_computed_tokens
+        chunk_length = self._chunk_length(request, step.tokens_left, start) if request.in_prefill else 0
+        need = self.kv.admission_cost(request, hits, start + chunk_length)
         fits = need <= step.blocks_left
         if not fits and need > step.blocks_left + self._reclaimable_blocks(request, step, hits):
             return False
         step.blocks_left -= need
-        if request.status is RequestStatus.WAITING:
+        if waiting:
             # Held from now on: no allocation of this step can evict them before _start.
             self.kv.take_prefix(request, hits)
-        chunk_length = self._chunk_length(request, step.tokens_left) if request.in_prefill else 0
         step.tokens_left -= chunk_length if request.in_prefill else 1
         if fits:
             self._start(request, chunk_length, step)
         else:
-            step.pending.append(_Pending(request, self.kv.admission_cost(request, []), chunk_length))
+            step.pending.append(_Pending(request, self.kv.admission_cost(request, [], start + chunk_length),
+                                         chunk_length))
         return True
 
     def _reclaimable_blocks(self, request: Request, step: _StepState, hits: list[int]) -> int:
@@ -473,9 +488,11 @@ class Scheduler:
             if self.kv.needs_decode_slot(request):
                 step.slot_takers.append(request)
 
-    def _chunk_length(self, request: Request, tokens_left: int) -> int:
+    def _chunk_length(self, request: Request, tokens_left: int, start: int | None = None) -> int:
+        """The next chunk of the request's prefill, from `start` (default: its computed tokens)."""
         chunk_size = self.config.chunk_size or tokens_left
-        return min(request.prefill_target - request.num_computed_tokens, chunk_size, tokens_left)
+        start = request.num_computed_tokens if start is None else start
+        return min(request.prefill_target - start, chunk_size, tokens_left)
 
     def _chunk(self, request: Request, length: int) -> PrefillChunk:
         start = request.num_computed_tokens
@@ -490,7 +507,11 @@ class Scheduler:
     # -------------------------------------------------------------- preemption helpers
 
     def _block_demand(self, step: _StepState) -> int:
-        return len(step.slot_takers) * self.kv.num_groups + sum(p.num_blocks for p in step.pending)
+        """Blocks this step still takes: decode slots, pending admissions, and its chunks' sliding blocks."""
+        demand = len(step.slot_takers) * self.kv.num_groups + sum(p.num_blocks for p in step.pending)
+        if self.kv.sliding_groups:
+            demand += sum(self.kv.chunk_blocks(c.request, c.start + c.length) for c in step.plan.prefills)
+        return demand
 
     def _pick_victim(self, step: _StepState) -> Request | None:
         """Least important, then latest arrival; never one admitted this step, and never one at least as

@@ -58,6 +58,8 @@ class SchedulerOutput:
     step: int
     new_requests: list[NewRequestData] = dataclasses.field(default_factory=list)
     new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # held requests' new blocks
+    # held requests' placeholder entries (a sliding window's, taken chunk by chunk) given blocks: [(entry, block)]
+    filled_block_ids: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     # Requests that left since the last step, whose state the worker drops with any host copy of their blocks:
     # finished or aborted, and preempted (a swapped-out one's host copy is made by this step's swap_out, after;
     # a swapped one preempted again, to recompute, loses its copy)

@@ -134,6 +134,10 @@ class InputBatch:
             states[data.req_id] = CachedRequestState.of(data)
         for req_id, ids in scheduler_output.new_block_ids.items():
             states[req_id].block_ids.extend(ids)
+        for req_id, fills in scheduler_output.filled_block_ids.items():  # prefilling: no decode row to change
+            block_ids = states[req_id].block_ids
+            for entry, block_id in fills:
+                block_ids[entry] = block_id
         self.append_blocks(scheduler_output.new_block_ids)
 
     def commit(self, scheduler_output: SchedulerOutput, out: ModelRunnerOutput) -> None:

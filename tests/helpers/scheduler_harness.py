@@ -93,6 +93,9 @@ class FakeWorker:
                                                      list(data.block_ids))
         for req_id, ids in out.new_block_ids.items():
             self.requests[req_id].blocks += ids
+        for req_id, fills in out.filled_block_ids.items():
+            for entry, block_id in fills:
+                self.requests[req_id].blocks[entry] = block_id
         for req_id, device_ids in out.swap_out:  # first, as the contract says
             # The device copy stays: a freed block keeps its K/V until reused (a cached one may be hit).
             self.host[req_id] = [list(self.device.get(d, [None] * self.block_size)) for d in device_ids]

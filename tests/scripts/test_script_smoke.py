@@ -123,8 +123,8 @@ def test_benchmark_structured(tmp_path):
 
 
 def test_kv_cache_usage(tmp_path):
-    """A config-only checkpoint whose layers alternate sliding (window 32) and full attention: after a 512-token
-    prefill the windows hold about half the blocks the same model holds without them."""
+    """A config-only checkpoint of two full and two sliding (window 32) layers: prefilling 512 tokens in 64-token
+    chunks, the windows hold about half the blocks the same model holds without them, at the peak too."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(dict(
@@ -137,7 +137,8 @@ def test_kv_cache_usage(tmp_path):
     assert "prefilled GiB" in stdout
     windows, plain = json.load(open(out))
     assert (windows["groups"], windows["slots"], plain["groups"], plain["slots"]) == (2, 2, 1, 4)
-    assert plain["after_prefill_blocks"] == 512 // 16 and windows["peak_blocks"] == 2 * (512 // 16)
-    # 32 full-attention blocks + the sliding group's window (32 tokens: 2-3 blocks), each id 2 layers' pages
-    assert windows["after_prefill_blocks"] <= 32 + 4
-    assert windows["after_prefill_gib"] < 0.6 * plain["after_prefill_gib"]
+    assert (plain["after_prefill_blocks"], plain["peak_blocks"]) == (512 // 16, 520 // 16 + 1)
+    # 32 full-attention blocks + the sliding group's window (32 tokens: 2-3 blocks), each id 2 layers' pages; at
+    # the peak also a chunk's (64 tokens: 4 blocks), or the decodes' one more full-attention block
+    assert windows["after_prefill_blocks"] <= 32 + 3 and windows["peak_blocks"] <= 33 + 3 + 4
+    assert windows["peak_gib"] < 0.6 * plain["peak_gib"]

@@ -19,10 +19,12 @@ def make_request(rid: str, tokens: list[int], salt: str | None = None) -> Reques
 
 
 def admit(kv: KVCacheManager, request: Request) -> list[int]:
-    """What the scheduler does for a waiting request that fits: take the hits, allocate the rest."""
+    """What the scheduler does for a waiting request that fits: take the hits, allocate the rest (the whole
+    prefill one chunk)."""
     hits = kv.cached_prefix(request)
     kv.take_prefix(request, hits)
     assert kv.allocate_prefill(request) is not None
+    assert kv.allocate_chunk(request, request.prefill_target) is not None
     request.status = RequestStatus.RUNNING
     return hits
 
@@ -359,7 +361,8 @@ def test_a_hit_needs_only_the_sliding_blocks_of_its_window():
     hits = kv.cached_prefix(b)
     assert len(hits) == 2 * 11
     assert hits[0::2] == a.block_ids[0::2] and hits[1::2] == [0] * 8 + a.block_ids[17::2]
-    assert kv.admission_cost(b, hits) == 2 * 13 - 2 * 11
+    assert kv.admission_cost(b, hits) == 13 - 11  # the full group's rest alone, and with its chunk the sliding:
+    assert kv.admission_cost(b, hits, b.prefill_target) == 2 * 13 - 2 * 11
     kv.take_prefix(b, hits)
     assert b.num_computed_tokens == 44
     check(kv, a, b)

@@ -404,6 +404,13 @@ def test_no_starvation_under_a_steady_stream():
 
 # ------------------------------------------------------------------ randomized workloads
 
+def peak_blocks(cfg: SchedulerConfig, num_tokens: int) -> int:
+    """The most block ids a request of num_tokens holds: every block of each full group; of each sliding group,
+    a chunk's and its window's (at most cdiv(window - 1 + chunk, block_size) + 1)."""
+    blocks, chunk = cdiv(num_tokens, cfg.block_size), cfg.chunk_size or cfg.max_num_batched_tokens
+    return sum(min(blocks, cdiv(w - 1 + chunk, cfg.block_size) + 1) if w else blocks for w in cfg.group_windows)
+
+
 def make_workload(integer, choice):
     """A random config + workload from integer(lo, hi) / choice(options) (hypothesis draws or a seeded
     random.Random): mostly requests that fit alone but crowd each other, a few that can never fit."""
@@ -435,8 +442,7 @@ def check_random_workload(cfg: SchedulerConfig, specs: list[Spec], aborts: dict[
     usable = cfg.num_blocks - 1
     for s in specs:
         never_fits = (s.prompt_len > cfg.max_model_len
-                      or cdiv(min(s.prompt_len + s.max_tokens, cfg.max_model_len), cfg.block_size)
-                      * len(cfg.group_windows) > usable)
+                      or peak_blocks(cfg, min(s.prompt_len + s.max_tokens, cfg.max_model_len)) > usable)
         assert (s.rid in result.rejected) == never_fits
     aborted = {rid for rids in aborts.values() for rid in rids}
     for s in specs:
@@ -494,6 +500,13 @@ def test_seeded_random_workloads_cover_every_path(monkeypatch):
         original_behind(self, request)
         seen["block freed behind a window"] += self.num_free - free
 
+    original_chunk = KVCacheManager.allocate_chunk
+
+    def counting_chunk(self, request, end):
+        fills = original_chunk(self, request, end)
+        seen["sliding blocks taken by a later chunk"] += bool(fills) and request.num_computed_tokens > 0
+        return fills
+
     original_evict = Scheduler._evict
 
     def counting_evict(self, victim, step):
@@ -504,6 +517,7 @@ def test_seeded_random_workloads_cover_every_path(monkeypatch):
     monkeypatch.setattr(KVCacheManager, "swap_out", counting_swap_out)
     monkeypatch.setattr(KVCacheManager, "free_behind_window", counting_behind)
     monkeypatch.setattr(Scheduler, "_evict", counting_evict)
+    monkeypatch.setattr(KVCacheManager, "allocate_chunk", counting_chunk)
     for seed in range(300):
         rng = random.Random(seed)
         result = check_random_workload(*make_workload(rng.randint, rng.choice))
@@ -514,5 +528,6 @@ def test_seeded_random_workloads_cover_every_path(monkeypatch):
         seen["prefix hit"] += result.sched.stats()["prefix_cache_hits"]
     for path in ("swap", "recompute", "swap fallback", "over-commit", "abort waiting", "abort mid-prefill",
                  "abort running", "abort swapped", "prefix hit", "swap keeping a shared head",
-                 "block freed behind a window", "swapped request evicted again"):
+                 "block freed behind a window", "swapped request evicted again",
+                 "sliding blocks taken by a later chunk"):
         assert seen[path] > 0, f"no {path} in the sweep: {dict(seen)}"
