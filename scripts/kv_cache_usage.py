@@ -40,12 +40,13 @@ def held_blocks(group_windows: tuple[int, ...], context: int, chunk: int, decode
         request.num_computed_tokens = end
         kv.free_behind_window(request)
     after_prefill = held()
-    for _ in range(decode):
-        request.append_output(1, context + decode + 1)
+    request.append_output(1, context + decode + 1)  # the prefill's last chunk samples the first token
+    for _ in range(decode):  # each a step: its slot, then its update
         if kv.needs_decode_slot(request):
             assert kv.allocate_decode_slots([request])
             peak = max(peak, held())
-        request.num_computed_tokens = request.num_tokens - 1
+        request.num_computed_tokens = request.num_tokens
+        request.append_output(1, context + decode + 1)
         kv.free_behind_window(request)
     return {"peak": peak, "after_prefill": after_prefill, "after_decode": held()}
 
