@@ -8,7 +8,8 @@ One step is five phases, in order:
   budget   free blocks minus what running decoders are already promised (and the watermark)
   admit    continue chunked prefills, then swapped and waiting requests in (priority, arrival) order
   preempt  only if demand exceeds the free blocks: evict least important, latest arrival first
-  decode   every running request past its prefill gets its slot and advances one token
+  decode   every running request past its prefill gets its slot and advances one token (and every prefill chunk
+           its sliding-window blocks: KV cache groups, engine/core/kv_cache_manager.py)
 
 Every block change goes through the KVCacheManager (self.kv): this module only decides who gets what.
 """
