@@ -1,6 +1,9 @@
 """Test-wide settings."""
 
+import gc
 import os
+
+import pytest
 
 # No persistent compilation cache in tests: a warm cache would hide a compile-count regression.
 os.environ["FERRY_COMPILATION_CACHE"] = "0"
@@ -16,3 +19,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # and inherited by every child process (scripts, servers, the multi-device drivers, the notebook's kernel).
 CPU_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_COMPILE_FLAG}".strip()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop jax's caches of traced and compiled functions after each test module: the suite runs in one process,
+    and hundreds of models' step programs (each model's graph a new static argument) would otherwise stay
+    resident to the end (the 16 architectures of the parity tests alone hold gigabytes). Engines and fixtures
+    keep the executables they hold."""
+    yield
+    import jax  # noqa: PLC0415 (after the environment above is set)
+
+    jax.clear_caches()
+    gc.collect()
