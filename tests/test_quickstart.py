@@ -16,6 +16,7 @@ from nbclient import NotebookClient
 from openai import OpenAI
 
 from helpers.repo import ROOT as REPO_ROOT
+from models.config import ModelConfig
 from models.loading import load_model
 from models.tokenizers.load import load_tokenizer
 
@@ -39,7 +40,7 @@ def _free_port():
 def test_embedded_model_loads_with_its_tokenizer():
     model = load_model(DEFAULT_MODEL)
     report = json.load(open(os.path.join(DEFAULT_MODEL, "train_report.json")))
-    assert model.cfg.to_json() == report["model_config"]
+    assert model.cfg == ModelConfig.from_json(report["model_config"])  # fields added since: their defaults
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     assert tokenizer.vocab_size == model.cfg.vocab_size
     assert tokenizer.bos_token_id == model.cfg.bos_token_id
