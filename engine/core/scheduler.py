@@ -225,12 +225,13 @@ class Scheduler:
         """Whether the next plan may be made before the last one's decode tokens are folded in: it is then
         surely the same decode batch going on (less what finished). Nothing waits (or every seat is taken, by
         requests none of which finished) or is swapped out, the last plan ran no prefill chunk, the running set
-        is the same and all of it decodes, and the free blocks cover one more for every running request: no
-        admission, no chunk, no preemption to decide on counters one token behind."""
+        is the same and all of it decodes, and the free blocks cover one more slot (a block per KV cache group) for
+        every running request: no admission, no chunk, no preemption to decide on counters one token behind."""
         steady, running = self._steady, self.running
         seats_full = len(running) >= self.config.max_num_seqs and not self._num_unreaped  # nothing to admit to
         return ((not self.waiting or seats_full) and not self.swapped and steady is not None
-                and running == steady[0] and len(steady[1]) == len(running) and self.kv.num_free >= len(running))
+                and running == steady[0] and len(steady[1]) == len(running)
+                and self.kv.num_free >= len(running) * self.kv.num_groups)
 
     def _reap(self, step: _StepState) -> None:
         """Requests finished by the last update_from_output leave; their blocks return before _budget counts."""
