@@ -164,7 +164,7 @@ class KVCacheManager:
         if not sliding:
             return [b for block_ids in found for b in block_ids]
         for n in range(len(found), 0, -1):  # the longest run whose sliding groups hold their window
-            first = max(n * self.block_size - self.window + 1, 0) // self.block_size
+            first = self._behind(n * self.block_size)
             if all(found[i][g] is not None for i in range(first, n) for g in sliding):
                 return [NULL_BLOCK if g in sliding and i < first else b
                         for i, block_ids in enumerate(found[:n]) for g, b in enumerate(block_ids)]
@@ -201,7 +201,7 @@ class KVCacheManager:
             raise ValueError(f"request {request.request_id!r}: only a waiting request without blocks takes hits")
         self.device_pool.touch([b for b in hits if b != NULL_BLOCK])
         request.block_ids = list(hits)
-        request.num_computed_tokens = len(hits) // self.num_groups * self.block_size
+        request.num_computed_tokens = self.hit_tokens(hits)
         self._num_published[request.request_id] = len(hits) // self.num_groups
         if self.enable_prefix_caching:
             self.prefix_stats.requests += 1
@@ -285,7 +285,7 @@ class KVCacheManager:
         if not self.sliding_groups:
             return
         rid, groups = request.request_id, self.num_groups
-        behind = (request.num_computed_tokens - self.window + 1) // self.block_size
+        behind = self._behind(request.num_computed_tokens)
         done = self._num_behind_window.get(rid, 0)
         if behind <= done:
             return
@@ -394,7 +394,7 @@ class KVCacheManager:
             for entry, block_id in enumerate(r.block_ids):
                 i, g = divmod(entry, groups)
                 if block_id == NULL_BLOCK:  # behind the window, or (a placeholder) not computed yet
-                    behind = (i + 1) * self.block_size <= r.num_computed_tokens - self.window + 1
+                    behind = i < self._behind(r.num_computed_tokens)
                     check(g in self.sliding_groups and (behind or i * self.block_size >= r.num_computed_tokens),
                           f"{r.request_id}: entry {entry} is the null block but neither behind a window nor ahead")
                     continue

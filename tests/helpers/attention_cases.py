@@ -9,6 +9,8 @@ message; set FERRY_KERNEL_SEED to replay one). Inputs are built to catch the usu
 """
 
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,3 +214,19 @@ def check_window_prefill(seed, rng, prefixes, chunks, window, kernel, *, num_pad
     out = kernel(q, k, v, tables, lens, qsl, scale=scale, soft_cap=soft_cap, sliding_window=window)
     check_close(out, ref, dtype, seed, f"{what} window={window}")
     assert_zero_rows(out, slice(-num_padding, None), "padding rows", seed)
+
+
+def check_window_through_dispatch(seed, window, impl: str, dtype, num_seqs: int):
+    """pallas_kernels.attention.paged_attention(impl=...) passes the window on, prefill and decode, at the impl's
+    default tiling: random prefill lengths, decode contexts from 0 to 100; window 0 means none."""
+    from pallas_kernels.attention import paged_attention  # noqa: PLC0415 (imports the kernels' dispatch)
+
+    rng = np.random.default_rng(seed)
+    prefixes, chunks = rng.integers(0, 64, size=num_seqs), rng.integers(1, 24, size=num_seqs)
+    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, scale=0.125)
+    check_window_prefill(seed, rng, prefixes, chunks, window,
+                         functools.partial(paged_attention, decode=False, impl=impl), num_padding=5, soft_cap=8.0,
+                         what=f"{impl} prefill dispatch", **shape)
+    check_window_decode(seed, rng, [0, 5, 40, 100], window,
+                        lambda *a, **kw: paged_attention(*a, None, decode=True, impl=impl, **kw), soft_cap=None,
+                        what=f"{impl} decode dispatch", **shape)

@@ -21,6 +21,7 @@ from helpers.attention_cases import (
     check_prefill,
     check_window_decode,
     check_window_prefill,
+    check_window_through_dispatch,
     decode_inputs,
     make_cache,
     prefill_batch,
@@ -153,16 +154,7 @@ def test_prefill_sliding_window(seed, hq, hkv, d, bs, dtype, cap, window, prefix
 @pytest.mark.parametrize("window", [0, 7])
 def test_sliding_window_through_dispatch(seed, window):
     """impl="pallas_interpret" passes the window on: default tiling, random lengths; window 0 means none."""
-    rng = np.random.default_rng(seed)
-    prefixes, chunks = rng.integers(0, 64, size=4), rng.integers(1, 24, size=4)
-    check_window_prefill(seed, rng, prefixes, chunks, window,
-                         functools.partial(paged_attention, decode=False, impl="pallas_interpret"), num_padding=5,
-                         num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16,
-                         scale=0.125, soft_cap=8.0, what="prefill dispatch")
-    check_window_decode(seed, rng, [0, 5, 40, 100], window,
-                        lambda *a, **kw: paged_attention(*a, None, decode=True, impl="pallas_interpret", **kw),
-                        num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16,
-                        scale=0.125, soft_cap=None, what="decode dispatch")
+    check_window_through_dispatch(seed, window, "pallas_interpret", jnp.bfloat16, num_seqs=4)
 
 
 # ----------------------------------------------------------------------------- the poison works

@@ -37,6 +37,7 @@ from helpers.attention_cases import (
     check_prefill,
     check_window_decode,
     check_window_prefill,
+    check_window_through_dispatch,
     decode_inputs,
     drop_blocks_before_window,
     prefill_batch,
@@ -201,16 +202,7 @@ def test_prefill_sliding_window(seed, hq, hkv, d, bs, dtype, cap, ppb, window, p
 @pytest.mark.parametrize("window", [0, 7])
 def test_sliding_window_through_dispatch(seed, window):
     """impl="pallas_tpu_interpret" passes the window on, default blocks; window 0 means none."""
-    rng = np.random.default_rng(seed)
-    prefixes, chunks = rng.integers(0, 64, size=3), rng.integers(1, 24, size=3)
-    check_window_prefill(seed, rng, prefixes, chunks, window,
-                         functools.partial(paged_attention, decode=False, impl="pallas_tpu_interpret"),
-                         num_padding=5, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                         dtype=jnp.float32, scale=0.125, soft_cap=8.0, what="tpu prefill dispatch")
-    check_window_decode(seed, rng, [0, 5, 40, 100], window,
-                        lambda *a, **kw: paged_attention(*a, None, decode=True, impl="pallas_tpu_interpret", **kw),
-                        num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.float32,
-                        scale=0.125, soft_cap=None, what="tpu decode dispatch")
+    check_window_through_dispatch(seed, window, "pallas_tpu_interpret", jnp.float32, num_seqs=3)
 
 
 def test_single_buffering_is_caught(seed, monkeypatch):
