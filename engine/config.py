@@ -5,6 +5,7 @@ import dataclasses
 from engine.core.scheduler import PREEMPTION_MODES
 
 WARMUP_MODES = ("full", "lazy", "none")
+TASKS = ("generate", "embed")
 
 
 @dataclasses.dataclass(slots=True)
@@ -35,6 +36,9 @@ class EngineConfig:
                                            # "lazy" each sampler's largest decode and prefill (steps pad up
                                            # to them), the rest in the background;
                                            # "none" each shape on first use
+    task: str = "generate"                 # "embed": embedding requests only (PoolingParams), and warm-up
+                                           # compiles the pooling programs instead of the samplers'; with
+                                           # "generate" embedding requests work too, compiling on first use
 
     def __post_init__(self):
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -42,6 +46,8 @@ class EngineConfig:
                              f"{self.preemption_mode!r}")
         if self.warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, not {self.warmup!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, not {self.task!r}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, not {self.cpu_kv_cache_gib}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",

@@ -3,12 +3,15 @@ outputs in input order."""
 
 import time
 from collections.abc import Sequence
+from numbers import Integral
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.data_parallel import make_engine
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from models.loading import LoadedModel
 from models.tokenizers.tokenizer import Tokenizer
@@ -31,17 +34,18 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """`prompts`: a string, a list of token ids, or a list of either. One SamplingParams for all, or one each."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """`prompts`: one prompt or a list of them, each a string, a list of token ids, or vLLM's TextPrompt /
+        TokensPrompt dict ({"prompt": ...} or {"prompt_token_ids": [...]}, optionally with "cache_salt").
+        One SamplingParams for all, or one each."""
+        prompts = _prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         engine = self.engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p, final_only=True))
+            for (prompt, salt), p in zip(prompts, params):
+                ids.append(engine.add_request(None, prompt, p, cache_salt=salt, final_only=True))
         except Exception:
             for rid in ids:  # all or nothing: a bad prompt leaves no half-queued batch behind
                 engine.abort(rid)
@@ -80,3 +84,81 @@ class LLM:
         for output, (text, _) in zip(outputs, rendered):
             output.prompt = text
         return outputs
+
+    def embed(self, prompts, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt (the forms `generate` takes) as vLLM's LLM.embed: its final hidden states pooled
+        (`pooling_params`, default last-token and L2-normalized), through the same continuous batching;
+        outputs in input order. A failed request's output has `error` set and an empty embedding."""
+        prompts = _prompt_list(prompts)
+        params = pooling_params or PoolingParams()
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, salt in prompts:
+                ids.append(engine.add_request(None, prompt, params, cache_salt=salt))
+        except Exception:
+            for rid in ids:  # all or nothing, as generate
+                engine.abort(rid)
+            raise
+        finals: dict[str, EmbeddingRequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="embed", unit="req", disable=not use_tqdm) as bar:
+            while len(finals) < len(ids):
+                for output in engine.step():
+                    if isinstance(output, EmbeddingRequestOutput) and output.request_id in wanted:
+                        finals[output.request_id] = output
+                        bar.update(1)
+        return [finals[rid] for rid in ids]
+
+
+PROMPT_FORMS = ("a string, a list of token ids, a TextPrompt {'prompt': str} or TokensPrompt {'prompt_token_ids': "
+                "[int, ...]} dict, or a list of these")
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+def _is_token_ids(value) -> bool:
+    if isinstance(value, np.ndarray):
+        return value.ndim == 1 and value.size > 0 and np.issubdtype(value.dtype, np.integer)
+    return isinstance(value, Sequence) and not isinstance(value, str) and bool(value) and all(
+        isinstance(t, Integral) and not isinstance(t, bool) for t in value)
+
+
+def _prompt_list(prompts) -> list[tuple[str | list[int], str | None]]:
+    """One prompt or a list of them (see LLM.generate) -> [(text or token ids, cache_salt), ...]. A form
+    Ferry does not take is a TypeError naming the accepted ones; a dict's bad field a ValueError naming it."""
+    if isinstance(prompts, str | dict) or _is_token_ids(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, str):
+        raise TypeError(f"prompts must be {PROMPT_FORMS}; got {type(prompts).__name__}")
+    return [_one_prompt(prompt) for prompt in prompts]
+
+
+def _one_prompt(prompt) -> tuple[str | list[int], str | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list | tuple) and not prompt:
+        return [], None  # the engine's "the prompt is empty"
+    if _is_token_ids(prompt):
+        return [int(t) for t in prompt], None
+    if not isinstance(prompt, dict):
+        raise TypeError(f"each prompt must be {PROMPT_FORMS}; got {type(prompt).__name__}")
+    if "multi_modal_data" in prompt:
+        raise SamplingParamsError("multi_modal_data", "multi_modal_data is not supported: Ferry serves text models "
+                                  "(send the prompt's text or token ids alone)")
+    unknown = sorted(set(prompt) - _PROMPT_KEYS)
+    if unknown:
+        raise SamplingParamsError(unknown[0], f"a prompt dict takes {sorted(_PROMPT_KEYS)}; got {unknown}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise SamplingParamsError("prompt", "a prompt dict needs exactly one of 'prompt' (TextPrompt) and "
+                                  "'prompt_token_ids' (TokensPrompt)")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise SamplingParamsError("prompt", "'prompt' must be a string (token ids go in 'prompt_token_ids')")
+        text = prompt["prompt"]
+    else:
+        text = prompt["prompt_token_ids"]
+        if not _is_token_ids(text):
+            raise SamplingParamsError("prompt_token_ids", "'prompt_token_ids' must be a non-empty list of ints")
+        text = [int(t) for t in text]
+    return text, prompt.get("cache_salt")

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 from engine.config import EngineConfig
 from engine.core.request import Request
@@ -26,6 +27,7 @@ from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.output_processor import OutputProcessor, SampleNews, StepNews
 from engine.outputs import RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import MAX_SEED, SamplingParams, SamplingParamsError, is_valid_unicode
 from engine.structured import CompiledGrammar, GrammarCompiler
 from engine.worker.compilation import CompileCounter
@@ -58,6 +60,8 @@ class _Group:
     requests: list[Request]
     unforked: int = 0                      # samples still to add once sample 0's prompt is cached
     error: str | None = None               # the group failed: every sample ended with "error"
+    pooling: PoolingParams | None = None   # an embedding request (one Request, no samples)
+    pooled_sum: np.ndarray | None = None   # its final hidden states' sum over the prompt so far (mean pooling)
 
     @property
     def finished(self) -> bool:
@@ -160,7 +164,8 @@ class LLMEngine:
         # The steps executed and not yet updated, newest first: (SchedulerOutput, its AsyncModelRunnerOutput).
         # Two at most, under async scheduling: one in flight, and the one scheduled ahead of its update.
         self._batch_queue: collections.deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = collections.deque()
-        self.outputs = OutputProcessor(tokenizer)  # text and RequestOutputs: step(), or the server's output thread
+        # text and RequestOutputs: step(), or the server's output thread
+        self.outputs = OutputProcessor(tokenizer, self.eos_token_ids)
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first structured request
         self._grammar_compiler_lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
@@ -182,21 +187,28 @@ class LLMEngine:
                  counter.count - compiled - (counter.cache_hits - loaded), counter.cache_hits - loaded)
 
     def warmup(self, sampling: bool = True, background: bool = False) -> float:
-        """Compile every step shape now (ModelRunner.warmup); EngineConfig.warmup does it in __init__."""
+        """Compile every step shape now (ModelRunner.warmup); EngineConfig.warmup does it in __init__. With
+        EngineConfig.task "embed", every pooling program instead, before returning (ModelRunner.warmup_pooling)."""
+        if self.config.task == "embed":
+            return self.runner.warmup_pooling()
         return self.runner.warmup(sampling, background)
 
     # -------------------------------------------------------------- requests
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None, *, cache_salt: str | None = None,
+                    params: SamplingParams | PoolingParams | None = None, *, cache_salt: str | None = None,
                     final_only: bool = False) -> str:
         """Queue a request (a prompt string, or token ids); returns its id. Bad input raises ValueError
         (SamplingParamsError for a bad parameter, naming the field) and changes nothing. Requests share
         cached prompt blocks only when their `cache_salt`s are equal (None: the common namespace).
         `final_only`: step() returns no delta for it until it finishes, and then one with all of its output (as
         vLLM's RequestOutputKind.FINAL_ONLY): for callers that read only final outputs, it saves the output
-        side rendering a delta per request per step."""
+        side rendering a delta per request per step. With PoolingParams it is an embedding request: its prompt
+        is prefilled and it finishes, its one output an EmbeddingRequestOutput (always final only)."""
         params = params or SamplingParams()
+        if not isinstance(params, PoolingParams) and self.config.task == "embed":
+            raise ValueError("this engine's task is 'embed' (EngineConfig.task, --task): it serves embedding "
+                             "requests (PoolingParams, /v1/embeddings), not generation")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise SamplingParamsError("cache_salt", f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if request_id is None:
@@ -204,6 +216,9 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request {request_id!r}: duplicate request id")
         text, prompt_ids = self._prompt(prompt)
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, prompt_ids, params, cache_salt)
+            return request_id
         stop_token_ids = self._stop_token_ids(params)
         if len(prompt_ids) + 1 > self.max_model_len:  # room for at least one generated token
             raise SamplingParamsError("prompt", f"the prompt has {len(prompt_ids)} tokens; with at least one "
@@ -227,6 +242,22 @@ class LLMEngine:
             raise
         self._groups[request_id] = _Group(request_id, requests, unforked=params.n - 1)
         return request_id
+
+    def _add_pooling_request(self, request_id: str, prompt_ids: list[int], params: PoolingParams,
+                             cache_salt: str | None) -> None:
+        """An embedding request: one Request whose prefill target is its prompt and which generates nothing."""
+        if len(prompt_ids) > self.max_model_len:
+            raise SamplingParamsError("prompt", f"the prompt has {len(prompt_ids)} tokens, more than "
+                                      f"max_model_len={self.max_model_len}")
+        request = Request(request_id=f"{request_id}#0", group_id=request_id, prompt_token_ids=list(prompt_ids),
+                          max_tokens=0, cache_salt=cache_salt, pooling=params.pooling_type)
+        self.outputs.register_pooling(request_id, prompt_ids)
+        try:
+            self.scheduler.add(request)  # raises (changing nothing) if it can never fit
+        except Exception:
+            self.outputs.forget(request_id)
+            raise
+        self._groups[request_id] = _Group(request_id, [request], pooling=params)
 
     def compile_grammar(self, spec, field: str = "structured_outputs") -> CompiledGrammar:
         """The compiled grammar of a StructuredOutputsParams (cached); a bad one raises SamplingParamsError(field).
@@ -410,8 +441,10 @@ class LLMEngine:
         """An updated step's news for the output side (`finished`: as _sample_news takes it); then the groups
         it forked or ended are forked or retired."""
         samples, decoded, finished_groups = self._sample_news(plan, out, finished)
-        news = StepNews(samples, self._prompt_logprobs_news(out), errors, plan.trace, time.monotonic(), decoded)
-        self._fork_and_retire(plan, finished_groups | errors.keys())
+        embeddings = self._pooled_news(plan, out) if out.pooler_output else {}
+        news = StepNews(samples, self._prompt_logprobs_news(out), errors, plan.trace, time.monotonic(), decoded,
+                        embeddings)
+        self._fork_and_retire(plan, finished_groups | errors.keys() | embeddings.keys())
         return news
 
     def _timed(self, t0: float, t1: float, t2: float, news: StepNews) -> StepNews:
@@ -454,6 +487,24 @@ class LLMEngine:
         nones = [None] * len(decodes)
         reasons = [r.finish_reason for r in decodes] if finished else nones
         return news, (*self._decode_keys[1:], out.decode_tokens, nones, reasons), {r.group_id for r in finished}
+
+    def _pooled_news(self, plan, out: ModelRunnerOutput) -> dict[str, np.ndarray]:
+        """Fold each embedding chunk's pooled rows into its request: the sums add up over the prompt (a chunk at
+        position 0 starts them again: a recompute-preempted prefill runs its chunks again; a swapped one goes on
+        where it was); the last chunk's last row and the sum make the embedding. Returns the embeddings finished
+        this step, by request id."""
+        finished = {}
+        for chunk in plan.prefills:
+            request = chunk.request
+            pooled = out.pooler_output.get(request.request_id)
+            group = self._groups.get(request.group_id)
+            if pooled is None or group is None or group.error is not None:
+                continue
+            row_sum, last_row = pooled
+            group.pooled_sum = row_sum if chunk.start == 0 or group.pooled_sum is None else group.pooled_sum + row_sum
+            if request.finish_reason == "stop":  # its prompt is all computed (Scheduler.update_from_output)
+                finished[group.request_id] = group.pooling.pool(group.pooled_sum, last_row, request.num_prompt_tokens)
+        return finished
 
     def _prompt_logprobs_news(self, out: ModelRunnerOutput) -> dict[str, list]:
         return {_group_of(request_id): scores for request_id, scores in out.prompt_logprobs.items()}

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from models.tokenizers.tokenizer import Tokenizer
 
@@ -42,6 +42,7 @@ class StepNews:
     # The decode batch's samples (after `samples`) as SampleNews' five fields in columns, each [batch], when the
     # core built no tuple per sample (LLMEngine._sample_news); () when it did. Never changed once handed over.
     decoded: tuple = ()
+    embeddings: dict = dataclasses.field(default_factory=dict)  # request id -> float32 embedding, finished now
 
     def all_samples(self) -> Iterator[SampleNews]:
         return itertools.chain(self.samples, zip(*self.decoded))
@@ -76,6 +77,7 @@ class OutputGroup:
     stop_token_ids: tuple[int, ...]
     samples: list[_SampleOutput]
     prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False     # a delta carried them (the first: the prompt is scored by then)
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -93,12 +95,14 @@ class OutputGroup:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None):
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.groups: dict[str, OutputGroup] = {}  # unfinished requests (a dict op is atomic across threads)
         # To the core: ("stop", request id, sample index) a stop string ended a sample; ("error", request id,
         # message) its text failed. Thread-safe: the core drains it before each schedule.
         self.finishes: queue.SimpleQueue = queue.SimpleQueue()
+        self.pooling: dict[str, list[int]] = {}  # unfinished embedding requests: their prompt token ids
 
     def register(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                  stop_token_ids: tuple[int, ...], final_only: bool = False) -> OutputGroup:
@@ -110,9 +114,14 @@ class OutputProcessor:
         self.groups[request_id] = group
         return group
 
+    def register_pooling(self, request_id: str, prompt_ids: list[int]) -> None:
+        """An embedding request: no text, one output when it finishes (StepNews.embeddings)."""
+        self.pooling[request_id] = list(prompt_ids)
+
     def forget(self, request_id: str) -> None:
         """The request was aborted: no more outputs for it."""
         self.groups.pop(request_id, None)
+        self.pooling.pop(request_id, None)
 
     def _detokenizer(self, prompt_ids, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -160,7 +169,20 @@ class OutputProcessor:
             # A final-only request's one delta holds every sample's whole output.
             deltas.append(self.render(group, group.samples if group.final_only else samples, delta=True,
                                       finished=finished))
+        if news.embeddings or (news.errors and self.pooling):
+            deltas += self._embedding_outputs(news)
         return deltas
+
+    def _embedding_outputs(self, news: StepNews) -> list[EmbeddingRequestOutput]:
+        """The embedding requests that finished (or failed) in this step: one final output each."""
+        outputs = []
+        for request_id, embedding in news.embeddings.items():
+            if (prompt_ids := self.pooling.pop(request_id, None)) is not None:
+                outputs.append(EmbeddingRequestOutput(request_id, EmbeddingOutput(embedding.tolist()), prompt_ids))
+        for request_id, error in news.errors.items():
+            if (prompt_ids := self.pooling.pop(request_id, None)) is not None:
+                outputs.append(EmbeddingRequestOutput(request_id, EmbeddingOutput([]), prompt_ids, error=error))
+        return outputs
 
     @staticmethod
     def _record_prompt_logprobs(group: OutputGroup, scored: tuple) -> None:
@@ -193,7 +215,12 @@ class OutputProcessor:
         if detokenizer is not None:
             if sample.stops and not detokenizer.stop and len(sample.token_ids) >= sample.min_tokens:
                 detokenizer.stop = sample.stops
-            sample.text += detokenizer.add_token(token_id)
+            # As vLLM: the EOS or stop token that ended the sample is in its token ids, not its text (which would
+            # show it with skip_special_tokens=False, e.g. "</s>" after a tool call) unless asked for
+            ended_by_token = finish_reason == "stop" and (token_id in self.eos_token_ids
+                                                          or token_id in group.stop_token_ids)
+            if not ended_by_token or detokenizer.include_stop_str_in_output:
+                sample.text += detokenizer.add_token(token_id)
             if detokenizer.stopped_by is not None:
                 sample.finish_reason = "stop"
                 if finish_reason is None:  # the core still runs it: tell it to stop
@@ -227,9 +254,11 @@ class OutputProcessor:
         finished = group.finished if finished is None else finished
         metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
                    "finished_time": group.finished_time}
+        # As vLLM: in deltas, the prompt's logprobs come once, with the first token (its prefill scored them).
+        prompt_logprobs = group.prompt_logprobs if not (delta and group.prompt_logprobs_sent) else None
+        group.prompt_logprobs_sent |= delta
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished,
-                             group.prompt_logprobs if (finished or not delta) else None, metrics,
-                             error=group.error)
+                             prompt_logprobs, metrics, error=group.error)
 
 
 def _stop_reason(group: OutputGroup, sample: _SampleOutput):

@@ -1,5 +1,5 @@
 """What users get back: RequestOutput, one per request (a step's delta, or the whole output), with a
-CompletionOutput per sample (as vLLM's `vllm.outputs`)."""
+CompletionOutput per sample, and EmbeddingRequestOutput, one per embedding request (as vLLM's `vllm.outputs`)."""
 
 import dataclasses
 
@@ -24,3 +24,19 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: dict = dataclasses.field(default_factory=dict)
     error: str | None = None               # set when the request failed (finish_reason "error"); others go on
+
+
+@dataclasses.dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]                 # the pooled (and, by default, L2-normalized) final hidden state
+
+
+@dataclasses.dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """An embedding request's one output, when it finishes (vLLM's EmbeddingRequestOutput)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    error: str | None = None               # set when the request failed; `outputs.embedding` is then empty

@@ -21,7 +21,7 @@ from models.checkpoints.tensors import (
     unfused_leaves,
 )
 from models.config import ConfigError, ModelConfig
-from models.packaged import resolve_packaged
+from models.hub import resolve_model_name
 from models.transformer import Transformer
 
 # Buffers some checkpoints carry that are recomputed here.
@@ -110,8 +110,9 @@ def model_from_checkpoint(checkpoint: Checkpoint, dtype=None) -> LoadedModel:
 
 def read_checkpoint(path: str) -> Checkpoint:
     """The checkpoint at `path`: a Ferry checkpoint directory, a Hugging Face one, a GGUF file (or a directory
-    holding one .gguf and no config.json), or a packaged model's short name (models/packaged.py)."""
-    path = resolve_packaged(path)
+    holding one .gguf and no config.json), a packaged model's short name (models/packaged.py), or a Hugging Face
+    repo id in the local cache (models/hub.py)."""
+    path = resolve_model_name(path)
     if os.path.isfile(path) and gguf.find_gguf_file(path):
         return gguf.read_checkpoint(path)
     if not os.path.isdir(path):

@@ -394,8 +394,10 @@ class Transformer(nnx.Module):
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
 
     def __call__(self, kv_cache: KVCache, token_ids, positions, md: AttentionMetadata, logits_indices,
-                 kernels: Kernels):
-        """token_ids, positions [T] -> (float32 logits [len(logits_indices), vocab], updated cache)."""
+                 kernels: Kernels, hidden_states: bool = False):
+        """token_ids, positions [T] -> (float32 logits [len(logits_indices), vocab], updated cache).
+        `hidden_states` (pooling, for embeddings): the final norm's output of every token row [T, hidden] instead
+        of logits, the LM head skipped (`logits_indices` is then unused)."""
         cfg = self.cfg
         x = self.embed_tokens(token_ids)
         if cfg.scale_embeddings:
@@ -421,7 +423,7 @@ class Transformer(nnx.Module):
         # The real token rows and logits rows: a bucketed step's padding comes after them (its sequences start
         # at the end of the tokens), and packed kernels skip it.
         rows = md.query_start_loc[-1]
-        all_logits = len(logits_indices) == len(token_ids)
+        all_logits = hidden_states or len(logits_indices) == len(token_ids)
         logits_rows = rows if all_logits else jnp.sum(md.query_start_loc[:-1] < rows)
         # A prompt's rows other than its last are only K/V for later tokens: past the last layer's K/V write
         # they are never read, so that layer's query, output projection and MLP run on the logits rows alone
@@ -435,6 +437,8 @@ class Transformer(nnx.Module):
         x, k_pool, v_pool = self.scan_layers(layer_step, (x, layer_pool(k_pages), layer_pool(v_pages)), ctx,
                                              last=last_step)
         new_cache = (k_pool.reshape(k_pages.shape), v_pool.reshape(v_pages.shape))
+        if hidden_states:
+            return self.norm(x, ctx), new_cache
         # Only the rows we sample from (RMSNorm is per token): the last layer kept only them, or select them.
         x = self.norm(x if last_step is not None else x[logits_indices], ctx)
         if cfg.tie_word_embeddings:
@@ -526,10 +530,11 @@ class StaticGraphDef:
                                  and self.graphdef == other.graphdef)
 
 
-def forward(graphdef, state, kv_cache, token_ids, positions, md, logits_indices, kernels: Kernels):
-    """The pure function the engine jits: the split model state in, logits and the new cache out.
-    `graphdef`: an nnx.GraphDef or a StaticGraphDef."""
+def forward(graphdef, state, kv_cache, token_ids, positions, md, logits_indices, kernels: Kernels,
+            hidden_states: bool = False):
+    """The pure function the engine jits: the split model state in, logits (or with `hidden_states` the final
+    hidden states: Transformer.__call__) and the new cache out. `graphdef`: an nnx.GraphDef or a StaticGraphDef."""
     if isinstance(graphdef, StaticGraphDef):
         graphdef = graphdef.graphdef
     model = nnx.merge(graphdef, state)
-    return model(kv_cache, token_ids, positions, md, logits_indices, kernels)
+    return model(kv_cache, token_ids, positions, md, logits_indices, kernels, hidden_states)

@@ -148,11 +148,13 @@ class KVCacheManager:
     def cached_prefix(self, request: Request) -> list[int]:
         """The published blocks holding the request's leading tokens, as long a run as exists but leaving at
         least the last token of its prefill target to compute. Changes nothing (hashes aside). A request
-        scoring its prompt gets none (as in vLLM): every prompt position must run to be scored. Under KV cache
+        reading every prompt row (a scored prompt, as in vLLM, or a mean-pooled embedding) gets none: every
+        prompt position must run. Under KV cache
         groups a run needs each logical block in every full-attention group, but in a sliding group only the
         blocks the window of the first computed position reads: the entries behind it are the null block, as
         free_behind_window would leave them."""
-        if not self.enable_prefix_caching or request.block_ids or request.host_block_ids or request.scores_prompt:
+        if (not self.enable_prefix_caching or request.block_ids or request.host_block_ids
+                or request.reads_every_prompt_row):
             return []
         groups, sliding, pool = self.num_groups, self.sliding_groups, self.device_pool
         found = []  # per logical block of the run: its cached id in each group (None: not cached)

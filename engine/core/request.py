@@ -1,4 +1,4 @@
-"""A generation request and the lifecycle state the scheduler keeps on it."""
+"""A request (generation, or an embedding's prefill) and the lifecycle state the scheduler keeps on it."""
 
 import enum
 from dataclasses import dataclass, field
@@ -38,6 +38,9 @@ class Request:
     params: SamplingParams | None = None    # None: greedy
     seed: int = 0                           # the request's seed (drawn by the engine when not given)
     cache_salt: str | None = None           # prefix-cache namespace: only requests with the same salt share
+    # An embedding request's pooling type ("last" or "mean", engine/pooling_params.py): its prefill target is its
+    # prompt, and it finishes once that is computed, generating nothing (max_tokens 0)
+    pooling: str | None = None
     # Structured outputs (engine.structured.GrammarMatcher): masks each sampled token, follows the outputs
     grammar: Any = None
     # Hashes of the full blocks of all_token_ids, computed lazily by the KV cache manager: [n_hashed] x 32 bytes
@@ -94,6 +97,12 @@ class Request:
         """Whether its prefill scores the prompt (prompt_logprobs): sample 0 of its group only, once for the
         group (the samples forked from it share its prompt, and may share its cached blocks)."""
         return self.sample_index == 0 and self.params is not None and self.params.prompt_logprobs is not None
+
+    @property
+    def reads_every_prompt_row(self) -> bool:
+        """Whether its prefill needs the output of every prompt position, so no cached prefix may stand in for
+        computing them: a scored prompt (prompt_logprobs), or an embedding pooled over the whole prompt."""
+        return self.scores_prompt or self.pooling == "mean"
 
     @property
     def in_prefill(self) -> bool:

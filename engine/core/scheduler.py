@@ -67,7 +67,8 @@ class PrefillChunk:
     start: int     # == request.num_computed_tokens when planned: first token index of this chunk
     length: int
     # The chunk reaches the end of the prefill target -> the runner samples a token from its last row.
-    # False for a recompute re-prefill: its next token is already known (its last output token).
+    # False for a recompute re-prefill: its next token is already known (its last output token); and for an
+    # embedding's chunks, which pool their rows instead (its last chunk finishes it: update_from_output).
     samples: bool
 
 
@@ -159,7 +160,7 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: duplicate request id")
         if n == 0:
             raise ValueError(f"request {rid!r}: empty prompt")
-        if request.max_tokens < 1:
+        if request.max_tokens < 1 and request.pooling is None:  # an embedding generates nothing
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
         if n > c.max_model_len:
             raise ValueError(f"request {rid!r}: prompt of {n} tokens is longer than max_model_len={c.max_model_len}")
@@ -358,6 +359,9 @@ class Scheduler:
             self.kv.free_behind_window(request)
             if chunk.samples and request.append_output(sampled[request.request_id], self.config.max_model_len):
                 finished.append(request)
+            elif request.pooling is not None and not request.in_prefill:  # an embedding: done with its prompt
+                request.finish("stop")
+                finished.append(request)
         decodes = plan.decodes
         if runner_output.decode_tokens is not None:
             tokens, may_stop = runner_output.decode_tokens, np.flatnonzero(runner_output.may_stop).tolist()
@@ -498,7 +502,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, length: int) -> PrefillChunk:
         start = request.num_computed_tokens
-        samples = start + length == request.prefill_target and not request.output_token_ids
+        samples = start + length == request.prefill_target and not request.output_token_ids and request.pooling is None
         return PrefillChunk(request, start, length, samples)
 
     def _next_chunk(self, request: Request, step: _StepState) -> PrefillChunk:

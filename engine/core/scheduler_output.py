@@ -34,13 +34,14 @@ class NewRequestData:
                                       # ignored: what min_tokens bans before then
     has_grammar: bool                 # structured output: the scheduler sends its mask each step it samples
     scores_prompt: bool               # its prefill scores the prompt (prompt_logprobs)
+    pools: bool = False               # an embedding: its chunks pool their final hidden states, sampling nothing
 
     @classmethod
     def of(cls, r: Request) -> "NewRequestData":
         """A copy of what the worker needs of `r`: nothing it holds is the request's own."""
         return cls(r.request_id, list(r.prompt_token_ids), list(r.output_token_ids), list(r.block_ids), r.params,
                    r.seed, r.max_tokens, r.min_tokens, r.stop_token_ids + (() if r.ignore_eos else r.eos_token_ids),
-                   r.grammar is not None, r.scores_prompt)
+                   r.grammar is not None, r.scores_prompt, r.pooling is not None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,6 +52,7 @@ class ScheduledChunk:
     start: int
     length: int
     samples: bool  # reaches the end of the tokens to prefill, with no output yet: its last row samples a token
+                   # (never an embedding's chunk: it pools, ModelRunnerOutput.pooler_output)
 
 
 @dataclasses.dataclass(slots=True)
@@ -102,3 +104,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list]] = dataclasses.field(default_factory=dict)
     # req id -> why the step failed for it (fault isolation found it makes the step fail); it sampled nothing
     failed: dict[str, Exception] = dataclasses.field(default_factory=dict)
+    # An embedding's chunk: req id -> (float32 [hidden] sum of its rows' final hidden states, the last prompt row's
+    # [hidden] when the chunk ends the prompt, else None); the engine adds a request's chunks up and pools them
+    pooler_output: dict[str, tuple[np.ndarray, np.ndarray | None]] = dataclasses.field(default_factory=dict)

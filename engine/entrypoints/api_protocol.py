@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.entrypoints.tool_calls import forced_schema, function_parameters
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams, is_valid_unicode
 
 log = logging.getLogger("ferry.server")
@@ -194,15 +195,16 @@ class _GenerationRequest(_RequestModel):
         return None, None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        param_names: dict[str,
-                                          str], structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        param_names: dict[str, str], structured: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams from the request; null fields take SamplingParams' defaults. A bad value is a 400
         naming the API field (`param_names` maps SamplingParams names that differ from the API's)."""
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         values = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
         try:
-            return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured)
+            return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured,
+                                  prompt_logprobs=prompt_logprobs)
         except SamplingParamsError as e:
             raise bad_request(str(e), param_names.get(e.field, e.field)) from None
 
@@ -226,9 +228,25 @@ class CompletionRequest(_GenerationRequest):
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated. As vLLM, the engine
+        still generates one token, which the response leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def generated_token_limit(self) -> int | None:
+        """SamplingParams.max_tokens: at least 1 (echo_only)."""
+        return 1 if self.echo_only else self.max_tokens
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the prompt too: the same number of top logprobs per prompt token."""
+        return self.logprobs if self.echo else None
+
     def check_supported(self):
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.logit_bias:
@@ -362,3 +380,24 @@ class TokenizeRequest(_RequestModel):
 class DetokenizeRequest(_RequestModel):
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(_RequestModel):
+    """OpenAI's embeddings request, with vLLM's per-request pooling overrides (pooling_type, normalize)."""
+
+    model: str | None = None
+    input: str | list[int] | list[str] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None              # no matryoshka truncation: refused when set (PoolingParams)
+    user: str | None = None
+    pooling_type: str | None = None            # None: the server's default
+    normalize: bool | None = None              # None: L2-normalized
+
+    def pooling_params(self, default_pooling_type: str = "last") -> PoolingParams:
+        """PoolingParams from the request; a bad value is a 400 naming the field."""
+        try:
+            return PoolingParams(pooling_type=self.pooling_type or default_pooling_type,
+                                 normalize=True if self.normalize is None else self.normalize,
+                                 dimensions=self.dimensions)
+        except SamplingParamsError as e:
+            raise bad_request(str(e), e.field) from None

@@ -1,16 +1,19 @@
 """OpenAI response shapes: engine deltas folded into choices, streamed as server-sent events or returned whole."""
 
 import abc
+import base64
 import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
 
+import numpy as np
 from fastapi.responses import StreamingResponse
 
 from engine.entrypoints.api_protocol import as_api_error
 from engine.entrypoints.engine_loop import OutputStream
-from engine.entrypoints.tool_calls import ToolCallStream, parse_hermes, parse_required
+from engine.entrypoints.reasoning import REASONING_PARSERS
+from engine.entrypoints.tool_calls import DEFAULT_TOOL_PARSER, ToolCallStream, parse_required, parse_tool_calls
 from engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -37,6 +40,7 @@ class ResponseBuilder(abc.ABC):
         self.tokenizer, self.num_top_logprobs = tokenizer, num_top_logprobs
         self._prompt_index = {request_id: i for i, request_id in enumerate(stream.request_ids)}
         self.choices = [_ChoiceState() for _ in range(len(prompts) * n)]
+        self.prompts = prompts
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.completion_tokens = 0
 
@@ -83,10 +87,29 @@ class ResponseBuilder(abc.ABC):
 
 
 class CompletionBuilder(ResponseBuilder):
+    """`echo`: each prompt's text, put before its choices' text (with logprobs: its tokens and their logprobs
+    too, the first token's null), as vLLM and lm-evaluation-harness's scoring read it. `echo_only` (max_tokens
+    0): the prompt alone; the one token the engine generated is left out."""
+
+    def __init__(self, *args, echo: list[str] | None = None, echo_only: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.echo, self.echo_only = echo, echo_only
+        self._prompt_logprobs: list[list | None] = [None] * len(self.prompts)
+        self._echoed = [False] * len(self.choices)  # streamed: the choice's first chunk carried the prompt
+
+    def add(self, output: RequestOutput) -> list[tuple[int, CompletionOutput]]:
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs[self._prompt_index[output.request_id]] = output.prompt_logprobs
+        if self.echo_only:
+            output = dataclasses.replace(output, outputs=[CompletionOutput(
+                d.index, "", [], "length" if d.finish_reason is not None else None, [] if d.logprobs is not None
+                else None) for d in output.outputs])
+        return super().add(output)
+
     def _header(self) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
 
-    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]], text_offset: int) -> dict | None:
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None], text_offset: int) -> dict | None:
         if self.num_top_logprobs is None:
             return None
         tokens = [self.token_text(t) for t in token_ids]
@@ -94,39 +117,76 @@ class CompletionBuilder(ResponseBuilder):
         for token in tokens:
             offsets.append(text_offset)
             text_offset += len(token)
-        # As vLLM: each position's top_logprobs holds the top k and the sampled token.
-        return {"tokens": tokens, "token_logprobs": [entry[t] for t, entry in zip(token_ids, entries)],
-                "top_logprobs": [{self.token_text(t): lp for t, lp in _by_logprob(entry)} for entry in entries],
+        # As vLLM: each position's top_logprobs holds the top k and the sampled (or prompt) token; a position
+        # nothing predicts (the prompt's first token) is null.
+        return {"tokens": tokens,
+                "token_logprobs": [None if entry is None else entry[t] for t, entry in zip(token_ids, entries)],
+                "top_logprobs": [None if entry is None else {self.token_text(t): lp for t, lp in _by_logprob(entry)}
+                                 for entry in entries],
                 "text_offset": offsets}
+
+    def _echoed_prompt(self, index: int) -> tuple[str, dict | None]:
+        """The prompt of choice `index`: its text and, with logprobs, its tokens' logprobs (from offset 0)."""
+        prompt = index // self.n
+        ids = self.prompts[prompt]
+        entries = list(self._prompt_logprobs[prompt] or [])[:len(ids)]
+        return self.echo[prompt], self._logprobs(ids, entries + [None] * (len(ids) - len(entries)), 0)
+
+    def _with_echo(self, index: int, text: str, token_ids: list[int], entries: list, text_offset: int):
+        """(text, logprobs) of a choice's output, after its echoed prompt when `echo`."""
+        if self.echo is None:
+            return text, self._logprobs(token_ids, entries, text_offset)
+        prompt_text, prompt_logprobs = self._echoed_prompt(index)
+        logprobs = self._logprobs(token_ids, entries, text_offset + len(prompt_text))
+        if logprobs is not None:
+            logprobs = {key: prompt_logprobs[key] + logprobs[key] for key in logprobs}
+        return prompt_text + text, logprobs
 
     @staticmethod
     def _choice(index: int, text: str, logprobs: dict | None, c: _ChoiceState | CompletionOutput) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
+    def worth_a_chunk(self, delta: CompletionOutput) -> bool:
+        return super().worth_a_chunk(delta) or self.echo is not None
+
     def chunk(self, index: int, delta: CompletionOutput) -> dict:
         choice = self.choices[index]
-        logprobs = self._logprobs(delta.token_ids, delta.logprobs or [], choice.text_offset)
+        if self.echo is not None and not self._echoed[index]:  # the choice's first chunk: the prompt first
+            self._echoed[index] = True
+            text, logprobs = self._with_echo(index, delta.text, delta.token_ids, delta.logprobs or [],
+                                             choice.text_offset)
+            choice.text_offset += len(text) - len(delta.text)
+        else:
+            text, logprobs = delta.text, self._logprobs(delta.token_ids, delta.logprobs or [], choice.text_offset)
         if logprobs is not None:
-            choice.text_offset += sum(len(token) for token in logprobs["tokens"])
-        return {**self._header(), "choices": [self._choice(index, delta.text, logprobs, delta)]}
+            choice.text_offset += sum(len(self.token_text(t)) for t in delta.token_ids)
+        return {**self._header(), "choices": [self._choice(index, text, logprobs, delta)]}
 
     def usage_chunk(self) -> dict:
         return {**self._header(), "choices": [], "usage": self.usage()}
 
     def response(self) -> dict:
-        choices = [self._choice(i, c.text, self._logprobs(c.token_ids, c.logprobs, 0), c)
+        choices = [self._choice(i, *self._with_echo(i, c.text, c.token_ids, c.logprobs, 0), c)
                    for i, c in enumerate(self.choices)]
         return {**self._header(), "choices": choices, "usage": self.usage()}
 
 
 class ChatBuilder(ResponseBuilder):
-    """`tool_mode` (engine/entrypoints/tool_calls.py): None, or how the choices' text becomes tool_calls."""
+    """`tool_mode` (engine/entrypoints/tool_calls.py): None, or how the choices' text becomes tool_calls, with
+    `tool_parser` reading "auto" calls. `reasoning_parser` (engine/entrypoints/reasoning.py): None, or how the
+    reasoning is split off into reasoning_content first; tool calls are read from the content part only."""
 
-    def __init__(self, *args, tool_mode: str | None = None, tool_name: str | None = None, **kwargs):
+    def __init__(self, *args, tool_mode: str | None = None, tool_name: str | None = None,
+                 tool_parser: str = DEFAULT_TOOL_PARSER, reasoning_parser: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.tool_mode, self.tool_name = tool_mode, tool_name
-        self._tool_streams = [ToolCallStream(tool_mode, tool_name) for _ in self.choices] if tool_mode else None
+        self.tool_mode, self.tool_name, self.tool_parser = tool_mode, tool_name, tool_parser
+        # A forced call's output is the call's JSON alone (its grammar leaves no room to think).
+        self.reasoning_parser = None if tool_mode in ("named", "required") else reasoning_parser
+        self._tool_streams = ([ToolCallStream(tool_mode, tool_name, tool_parser) for _ in self.choices]
+                              if tool_mode else None)
+        self._reasoning_streams = ([REASONING_PARSERS[self.reasoning_parser]() for _ in self.choices]
+                                   if self.reasoning_parser else None)
 
     def _finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
         # As OpenAI: a model that called tools (by its choice, or required to) ends with "tool_calls"; a call
@@ -137,27 +197,38 @@ class ChatBuilder(ResponseBuilder):
 
     def _message(self, text: str) -> tuple[dict, bool]:
         """The whole response's message for a choice's text, and whether it holds tool calls."""
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning, text = REASONING_PARSERS[self.reasoning_parser]().feed(text, finished=True)
         if self.tool_mode is None:
-            return {"role": "assistant", "content": text}, False
-        if self.tool_mode == "named":
+            content, calls = text, []
+        elif self.tool_mode == "named":
             content, calls = None, [ToolCallStream("named", self.tool_name).feed(text, True)[1][0]]
         elif self.tool_mode == "required":
             content, calls = None, parse_required(text)
         else:
-            content, calls = parse_hermes(text)
+            content, calls = parse_tool_calls(text, self.tool_parser)
             content = content if content.strip() or not calls else None
         message = {"role": "assistant", "content": content}
+        if self.reasoning_parser is not None:  # as vLLM: None for no reasoning, and for no content after it
+            message["content"], message["reasoning_content"] = content or None, reasoning or None
         if calls:
             message["tool_calls"] = [call.as_dict() for call in calls]
         return message, bool(calls)
 
     def _delta(self, index: int, delta: CompletionOutput) -> tuple[dict, bool]:
         """A streamed chunk's delta for a choice, and whether the choice has made a tool call so far."""
+        text, finished, out = delta.text, delta.finish_reason is not None, {}
+        if self._reasoning_streams is not None:
+            reasoning, text = self._reasoning_streams[index].feed(text, finished)
+            if reasoning:
+                out["reasoning_content"] = reasoning
         if self._tool_streams is None:
-            return ({"content": delta.text} if delta.text else {}), False
+            return out | ({"content": text} if text else {}), False
         stream, choice = self._tool_streams[index], self.choices[index]
-        content, calls = stream.feed(delta.text, delta.finish_reason is not None)
-        out = {"content": content} if content else {}
+        content, calls = stream.feed(text, finished)
+        if content:
+            out["content"] = content
         if calls:
             out["tool_calls"] = [_call_delta(call, choice.tool_calls_sent + i, stream.mode) for i,
                                  call in enumerate(calls)]
@@ -252,3 +323,16 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._stream.close()
+
+
+def embedding_response(model: str, embeddings: list[list[float]], prompt_tokens: int, encoding_format: str) -> dict:
+    """OpenAI's embeddings response: input i's vector as a list of floats, or ("base64", what the openai client
+    asks for by default) its little-endian float32 bytes in base64."""
+    def encode(embedding: list[float]):
+        if encoding_format == "base64":
+            return base64.b64encode(np.asarray(embedding, "<f4").tobytes()).decode("ascii")
+        return embedding
+
+    return {"object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": encode(e)} for i, e in enumerate(embeddings)],
+            "model": model, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

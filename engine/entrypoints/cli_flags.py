@@ -22,12 +22,13 @@ import jax.numpy as jnp
 from absl import flags, logging
 
 import models  # its package directory holds the embedded model's directory
-from engine.config import WARMUP_MODES, EngineConfig
+from engine.config import TASKS, WARMUP_MODES, EngineConfig
 from engine.core.scheduler import PREEMPTION_MODES
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from engine.worker.multihost import DistributedConfig
 from models.checkpoints.gguf import GGUF_SUFFIX
-from models.packaged import PACKAGED_MODELS, resolve_packaged
+from models.hub import resolve_model_name
+from models.packaged import PACKAGED_MODELS
 from pallas_kernels.kernels import ATTENTION_IMPLS
 
 FLAGS = flags.FLAGS
@@ -121,6 +122,9 @@ def define_engine_flags():
                       "serving), lazy (each sampler's largest decode and prefill first, which every step can pad "
                       "up to; the rest in the background), none (each on "
                       "first use); --nowarmup is --warmup=none")
+    flags.DEFINE_enum("task", d.task, TASKS, "generate: text generation (embedding requests work too, their "
+                      "programs compiling on first use); embed: embeddings only (/v1/embeddings), warm-up compiling "
+                      "the pooling programs")
 
 
 def define_distributed_flags():
@@ -223,20 +227,21 @@ def _check_dtype(name: str, value: str):
 # ------------------------------------------------------------------ the model directory
 
 def resolve_model_dir(path: str) -> str:
-    """The model `path` names: a directory, a .gguf file, or a packaged model's short name (`smollm2`:
-    models/packaged.py); FileNotFoundError (saying to pass --model, or how to install the package) if none.
+    """The model `path` names: a directory, a .gguf file, a packaged model's short name (`smollm2`:
+    models/packaged.py) or a Hugging Face repo id in the local cache (models/hub.py); FileNotFoundError (saying
+    to pass --model, how to install the package, or where the cache is) if none.
 
     The default also resolves next to the installed `models` package, so `ferry-generate` finds the
     embedded model from any working directory."""
-    path = resolve_packaged(path)
+    path = path if path == DEFAULT_MODEL else resolve_model_name(path)
     candidates = [path]
     if path == DEFAULT_MODEL:
         candidates.append(os.path.join(os.path.dirname(os.path.abspath(models.__file__)), "default"))
     for candidate in candidates:
         if _is_model(candidate):
             return candidate
-    where = (f"pass --model=DIR, a Hugging Face or Ferry checkpoint directory, a .gguf file, or "
-             f"{' or '.join(PACKAGED_MODELS)}")
+    where = (f"pass --model=DIR, a Hugging Face or Ferry checkpoint directory, a .gguf file, a Hugging Face repo "
+             f"id in the local cache, or {' or '.join(PACKAGED_MODELS)}")
     if path == DEFAULT_MODEL:
         raise FileNotFoundError(f"no model in the default --model={DEFAULT_MODEL} (the embedded model is not "
                                 f"there yet): {where}")

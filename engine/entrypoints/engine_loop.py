@@ -27,7 +27,8 @@ from collections.abc import AsyncIterator, Callable
 from engine.entrypoints.api_protocol import EngineUnavailable, RequestFailed
 from engine.entrypoints.metrics import ServerMetrics
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("ferry.server")
@@ -123,7 +124,7 @@ class OutputStream:
 class _Add:
     stream: OutputStream
     prompts: list[list[int]]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: embedding requests (/v1/embeddings)
     arrival_time: float            # time.monotonic() when the server received the API request
     cache_salt: str | None = None  # prefix-cache namespace (kv_cache_manager)
 
@@ -227,7 +228,7 @@ class EngineLoop:
             self._accepting = False
             self._refusal = reason
 
-    def add(self, stream: OutputStream, prompts: list[list[int]], params: SamplingParams,
+    def add(self, stream: OutputStream, prompts: list[list[int]], params: SamplingParams | PoolingParams,
             arrival_time: float, cache_salt: str | None = None) -> None:
         with self._lock:
             if not self._accepting:
@@ -310,7 +311,8 @@ class EngineLoop:
             _call_soon(stream.loop, stream.settle, e)
             return
         for request_id, prompt in zip(stream.request_ids, command.prompts):
-            self._tracked[request_id] = _Tracked(stream, command.arrival_time, len(prompt), params.n)
+            self._tracked[request_id] = _Tracked(stream, command.arrival_time, len(prompt),
+                                                 params.n if isinstance(params, SamplingParams) else 1)
         _call_soon(stream.loop, stream.settle, None)
 
     def _call(self, command: _Call) -> None:
@@ -396,6 +398,13 @@ class EngineLoop:
 
     def _record(self, output: RequestOutput, tracked: _Tracked, step_start: float, now: float) -> None:
         m = self.metrics
+        if isinstance(output, EmbeddingRequestOutput):  # one output: its prompt is processed and it is done
+            m.prompt_tokens.inc(tracked.num_prompt_tokens)
+            self._throughput.add(tracked.num_prompt_tokens, 0)
+            m.record_finished_sample("error" if output.error is not None else "stop")
+            m.e2e_request_latency.observe(now - tracked.arrival_time)
+            self._tracked.pop(output.request_id, None)
+            return
         num_new = sum(len(o.token_ids) for o in output.outputs)
         m.generation_tokens.inc(num_new)
         if tracked.last_delta_time is None:  # its prompt is processed: count it once

@@ -5,9 +5,10 @@
 Every EngineConfig field is a flag (engine/entrypoints/cli_flags.py; EngineConfig.seed is --engine_seed). Server flags:
 --host, --port, --served_model_name, --api_key (default $FERRY_API_KEY), --max_waiting,
 --log_interval_s, the request limits (--max_request_bytes, --max_prompt_chars, --max_stop_strings,
---max_stop_chars) and --shutdown_timeout. The engine flag --warmup defaults to lazy here. Multi-host
-(engine/worker/multihost.py): --coordinator_address, --num_processes, --process_id on every host; process 0 serves.
-Once listening it prints the URL and a curl line to try.
+--max_stop_chars), --shutdown_timeout, chat's --reasoning_parser and --tool_call_parser, CORS's
+--allowed_origins (--allowed_methods, --allowed_headers) and --profiler_dir. The engine flag --warmup
+defaults to lazy here. Multi-host (engine/worker/multihost.py): --coordinator_address, --num_processes,
+--process_id on every host; process 0 serves. Once listening it prints the URL and a curl line to try.
 
 Exit status: 0 after a graceful shutdown (SIGTERM or Ctrl-C: stop accepting, let running requests finish
 for up to --shutdown_timeout seconds, end the rest with an error; a second signal stops at once), 1 if the
@@ -36,9 +37,12 @@ from absl import app, flags  # noqa: E402
 
 from engine.data_parallel import make_engine  # noqa: E402
 from engine.entrypoints import cli_flags  # noqa: E402
+from engine.entrypoints.reasoning import REASONING_PARSERS  # noqa: E402
 from engine.entrypoints.server_config import ServerConfig  # noqa: E402
+from engine.entrypoints.tool_calls import TOOL_PARSERS  # noqa: E402
 from engine.llm_engine import freeze_startup_heap  # noqa: E402
 from engine.worker import multihost  # noqa: E402
+from models import hub  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -67,19 +71,35 @@ flags.DEFINE_integer("max_stop_strings", _DEFAULTS.max_stop_strings, "most stop 
 flags.DEFINE_integer("max_stop_chars", _DEFAULTS.max_stop_chars, "longest stop string", lower_bound=1)
 flags.DEFINE_float("shutdown_timeout", _DEFAULTS.shutdown_timeout_s, "on SIGTERM/SIGINT, seconds running "
                    "requests may go on finishing before they are ended with an error", lower_bound=0)
+flags.DEFINE_enum("reasoning_parser", None, sorted(REASONING_PARSERS), "chat: move the model's thinking out of "
+                  "content into reasoning_content (as vLLM's --reasoning-parser); unset: left in content")
+flags.DEFINE_enum("tool_call_parser", None, sorted(TOOL_PARSERS), "chat: the format of the model's own tool "
+                  "calls (tool_choice auto); unset: chosen from the chat template, else hermes")
+flags.DEFINE_list("allowed_origins", None, "CORS: comma-separated origins allowed, or *; unset: no CORS headers")
+flags.DEFINE_list("allowed_methods", list(_DEFAULTS.allowed_methods), "CORS: methods allowed (with "
+                  "--allowed_origins)")
+flags.DEFINE_list("allowed_headers", list(_DEFAULTS.allowed_headers), "CORS: request headers allowed (with "
+                  "--allowed_origins)")
+flags.DEFINE_string("profiler_dir", None, "serve POST /start_profile and /stop_profile, which write a "
+                    "jax.profiler trace into this directory; unset: no such routes")
 
 log = logging.getLogger("ferry.serve")
 
 
 def server_config_from_flags(model_dir: str) -> ServerConfig:
-    # The name the user gave (`smollm2`, a directory's name), not the file a short name resolves to.
-    name = FLAGS.served_model_name or os.path.basename(os.path.normpath(FLAGS.model)).removesuffix(".gguf")
+    # The name the user gave (`smollm2`, a directory's name, a repo id as vLLM), not the file it resolves to.
+    given = FLAGS.model if hub.is_repo_id(FLAGS.model) else os.path.basename(os.path.normpath(FLAGS.model))
+    name = FLAGS.served_model_name or given.removesuffix(".gguf")
     # The environment variable is read here, not as the flag's default, so --help never prints the key.
     api_key = FLAGS.api_key or os.environ.get("FERRY_API_KEY") or None
     return ServerConfig(served_model_name=name, api_key=api_key, max_waiting=FLAGS.max_waiting,
                         log_interval_s=FLAGS.log_interval_s, max_request_bytes=FLAGS.max_request_bytes,
                         max_prompt_chars=FLAGS.max_prompt_chars, max_stop_strings=FLAGS.max_stop_strings,
-                        max_stop_chars=FLAGS.max_stop_chars, shutdown_timeout_s=FLAGS.shutdown_timeout)
+                        max_stop_chars=FLAGS.max_stop_chars, shutdown_timeout_s=FLAGS.shutdown_timeout,
+                        reasoning_parser=FLAGS.reasoning_parser, tool_call_parser=FLAGS.tool_call_parser,
+                        allowed_origins=tuple(FLAGS.allowed_origins) if FLAGS.allowed_origins else None,
+                        allowed_methods=tuple(FLAGS.allowed_methods), allowed_headers=tuple(FLAGS.allowed_headers),
+                        profiler_dir=FLAGS.profiler_dir)
 
 
 def banner(config: ServerConfig, host: str, port: int) -> str:

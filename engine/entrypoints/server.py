@@ -15,8 +15,11 @@ others go on; a fault the engine cannot isolate ends the process non-zero (`on_f
 Shutdown (`drain`): stop accepting (503), let running requests finish for up to `shutdown_timeout_s`, then
 end every open stream with an error event and [DONE] and every waiting non-streamed request with JSON.
 
-Endpoints: POST /v1/completions, /v1/chat/completions (both with `stream`, and vLLM's `cache_salt`), GET
-/v1/models, /health, /metrics, and vLLM's POST /tokenize, /detokenize, /reset_prefix_cache.
+Endpoints: POST /v1/completions, /v1/chat/completions (both with `stream`, and vLLM's `cache_salt`),
+/v1/embeddings, GET /v1/models, /health, /metrics, and vLLM's POST /tokenize, /detokenize, /reset_prefix_cache,
+GET /tokenizer_info.
+With --profiler_dir, vLLM's POST /start_profile and /stop_profile. --allowed_origins adds CORS (outermost, so
+preflights need no API key).
 """
 
 import asyncio
@@ -28,10 +31,12 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import jax.profiler
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from engine.entrypoints.api_protocol import (
     APIError,
@@ -39,6 +44,7 @@ from engine.entrypoints.api_protocol import (
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     EngineUnavailable,
     RequestFailed,
     TokenizeRequest,
@@ -51,11 +57,14 @@ from engine.entrypoints.api_responses import (
     CompletionBuilder,
     EventStreamResponse,
     ResponseBuilder,
+    embedding_response,
     sse_events,
 )
 from engine.entrypoints.engine_loop import AdmissionControl, EngineLoop, OutputStream
 from engine.entrypoints.metrics import ServerMetrics
+from engine.entrypoints.reasoning import REASONING_PARSERS
 from engine.entrypoints.server_config import ServerConfig  # noqa: F401 (re-exported: engine.entrypoints.server.ServerConfig)
+from engine.entrypoints.tool_calls import TOOL_PARSERS, detect_tool_parser, drops_tags
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from models.tokenizers.tokenizer import ChatTemplateError
@@ -69,6 +78,11 @@ UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics"})
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "chat_template", "tools"})
 PROMPT_CHARS_PER_TOKEN = 64    # default --max_prompt_chars = this x max_model_len: longer can never fit
 TEXT_WORKERS = 2               # threads that tokenize and render chat templates off the event loop
+
+
+def _prompt_batch(prompt) -> list:
+    """A request's prompt field (a string, token ids, or a list of either) as a list of prompts."""
+    return prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -112,6 +126,24 @@ class OpenAIServer:
         self.max_prompt_chars = config.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * engine.max_model_len
         self.open_streams: set[OutputStream] = set()
         self._text_pool = ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="ferry-text")
+        self._init_chat_parsers(config)
+        self._profile_lock = asyncio.Lock()  # start and stop one at a time
+        self._profiling = False
+
+    def _init_chat_parsers(self, config: ServerConfig) -> None:
+        """The reasoning and "auto" tool-call parsers, and whether their tags need the special tokens kept."""
+        if config.reasoning_parser is not None and config.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got "
+                             f"{config.reasoning_parser!r}")
+        if config.tool_call_parser is not None and config.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {config.tool_call_parser!r}")
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        self.tool_parser = config.tool_call_parser or detect_tool_parser(template)
+        log.info("chat tool calls (tool_choice auto) are read as %s%s", self.tool_parser,
+                 "" if config.tool_call_parser else " (from the chat template)")
+        self.tool_tags_dropped = drops_tags(self.tokenizer, TOOL_PARSERS[self.tool_parser].tags)
+        reasoning = REASONING_PARSERS.get(config.reasoning_parser)
+        self.reasoning_tags_dropped = reasoning is not None and drops_tags(self.tokenizer, reasoning.tags)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: FastAPI):
@@ -166,17 +198,26 @@ class OpenAIServer:
         if any(len(s) > c.max_stop_chars for s in params.stop):
             raise bad_request(f"stop strings may have at most {c.max_stop_chars} characters", "stop")
 
-    async def completion_prompts(self, prompt) -> list[list[int]]:
-        """A string, token ids, or a batch of either -> one list of token ids per prompt."""
-        batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    async def prompt_token_ids(self, prompt, param: str = "prompt") -> list[list[int]]:
+        """A string, token ids, or a batch of either (a completion's `prompt`, an embedding's `input`) -> one
+        list of token ids per prompt; an empty one is a 400 naming `param`."""
+        batch = _prompt_batch(prompt)
         if not batch or any(not item for item in batch):
-            raise bad_request("prompt must not be empty", "prompt")
+            raise bad_request(f"{param} must not be empty (nor hold an empty item)", param)
         texts = [item for item in batch if isinstance(item, str)]
         if texts:
-            self.require_tokenizer("prompt")
-            self.check_prompt_chars(sum(len(t) for t in texts), "prompt")
+            self.require_tokenizer(param)
+            self.check_prompt_chars(sum(len(t) for t in texts), param)
             encoded = iter(await self._off_loop(lambda: [self.tokenizer.encode(t) for t in texts]))
         return [next(encoded) if isinstance(item, str) else list(item) for item in batch]
+
+    async def echoed_prompts(self, prompt, prompts: list[list[int]]) -> list[str]:
+        """The text `echo` returns for each prompt: as sent, or its token ids decoded (as vLLM)."""
+        batch = _prompt_batch(prompt)
+        if self.tokenizer is None:
+            return [item if isinstance(item, str) else "" for item in batch]
+        return await self._off_loop(lambda: [item if isinstance(item, str) else self.tokenizer.decode(ids)
+                                             for item, ids in zip(batch, prompts)])
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           template_kwargs: dict | None, tools: list[dict] | None = None) -> str:
@@ -253,7 +294,7 @@ class OpenAIServer:
         return JSONResponse(builder.response())
 
     async def sampling_params(self, body, max_tokens: int | None, logprobs: int | None,
-                              param_names: dict[str, str]) -> SamplingParams:
+                              param_names: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
         structured, field = body.structured_spec()
         if structured is not None:
             # Compiled here, on a worker thread (a bad grammar is a 400 naming its field); the engine thread
@@ -262,7 +303,7 @@ class OpenAIServer:
                 await self._off_loop(self.compile_grammar, structured, field)
             except SamplingParamsError as e:
                 raise bad_request(str(e), e.field) from None
-        params = body.sampling_params(max_tokens, logprobs, param_names, structured)
+        params = body.sampling_params(max_tokens, logprobs, param_names, structured, prompt_logprobs)
         self.check_stops(params)
         return params
 
@@ -275,13 +316,15 @@ class OpenAIServer:
         arrival = time.monotonic()
         self.check_model(body.model)
         body.check_supported()
-        params = await self.sampling_params(body, body.max_tokens, body.logprobs, {})
-        prompts = await self.completion_prompts(body.prompt)
+        params = await self.sampling_params(body, body.generated_token_limit, body.logprobs, {},
+                                            prompt_logprobs=body.prompt_logprobs)
+        prompts = await self.prompt_token_ids(body.prompt)
         self.check_lengths(prompts, body.max_tokens, params.n, "prompt", "max_tokens")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self.submit(request_id, prompts, params, arrival, "prompt", body.cache_salt)
+        echo = await self.echoed_prompts(body.prompt, prompts) if body.echo else None
         builder = CompletionBuilder(request_id, self.config.served_model_name, stream, params.n, prompts,
-                                    self.tokenizer, params.logprobs)
+                                    self.tokenizer, params.logprobs, echo=echo, echo_only=body.echo_only)
         return await self.respond(stream, builder, body.stream, body.include_usage)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -298,11 +341,50 @@ class OpenAIServer:
         # The template wrote its special tokens.
         prompt = await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
         self.check_lengths([prompt], max_tokens, params.n, "messages", body.max_tokens_param)
+        if self.reasoning_tags_dropped or (body.tool_mode == "auto" and self.tool_tags_dropped):
+            # The parser reads tags that are special tokens: keep them in the text (as vLLM's mistral parser).
+            params.skip_special_tokens = False
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self.submit(request_id, [prompt], params, arrival, "messages", body.cache_salt)
         builder = ChatBuilder(request_id, self.config.served_model_name, stream, params.n, [prompt],
-                              self.tokenizer, params.logprobs, tool_mode=body.tool_mode, tool_name=body.tool_name)
+                              self.tokenizer, params.logprobs, tool_mode=body.tool_mode, tool_name=body.tool_name,
+                              tool_parser=self.tool_parser, reasoning_parser=self.config.reasoning_parser)
         return await self.respond(stream, builder, body.stream, body.include_usage)
+
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        return await _cancel_on_disconnect(request, self._embeddings(body))
+
+    async def _embeddings(self, body: EmbeddingRequest) -> Response:
+        """OpenAI's /v1/embeddings: each input's final hidden states pooled (engine/pooling_params.py), through
+        the same admission, engine thread and abort-on-disconnect as completions."""
+        arrival = time.monotonic()
+        self.check_model(body.model)
+        params = body.pooling_params()
+        prompts = await self.embedding_inputs(body.input)
+        request_id = f"embd-{uuid.uuid4().hex}"
+        stream = await self.submit(request_id, prompts, params, arrival, "input")
+        index = {rid: i for i, rid in enumerate(stream.request_ids)}
+        embeddings: list[list[float]] = [[] for _ in prompts]
+        try:
+            async for output in stream:
+                embeddings[index[output.request_id]] = output.outputs.embedding
+        finally:
+            stream.close()
+        return JSONResponse(embedding_response(self.config.served_model_name, embeddings,
+                                               sum(len(p) for p in prompts), body.encoding_format))
+
+    async def embedding_inputs(self, inputs) -> list[list[int]]:
+        """An embeddings request's `input` as token ids per input, each at most max_model_len tokens (an embedding
+        generates nothing: the whole context is the input's), as many as admission can queue; else a 400."""
+        prompts = await self.prompt_token_ids(inputs, "input")
+        if self.config.max_waiting is not None and len(prompts) > self.config.max_waiting:
+            raise bad_request(f"{len(prompts)} inputs in one request, but this server queues at most "
+                              f"{self.config.max_waiting} (max_waiting): send fewer per request", "input")
+        for prompt in prompts:
+            if len(prompt) > self.max_model_len:
+                raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                  f"an input has {len(prompt)} tokens.", "input")
+        return prompts
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -319,6 +401,32 @@ class OpenAIServer:
         if not await self.engine_loop.call(lambda engine: engine.reset_prefix_cache()):
             raise APIError(409, "cached blocks are in use by running requests; retry when they finish",
                            type="invalid_request_error", code="prefix_cache_in_use")
+        return Response(status_code=200)
+
+    async def start_profile(self) -> Response:
+        """vLLM's POST /start_profile: a jax.profiler trace of the whole process (the engine thread's steps
+        included) until /stop_profile; 409 if one is running."""
+        async with self._profile_lock:
+            if self._profiling:
+                raise APIError(409, "a profile is already running: POST /stop_profile first", code="profile_running")
+            try:
+                await asyncio.to_thread(jax.profiler.start_trace, self.config.profiler_dir)
+            except RuntimeError as e:  # one started outside the server
+                raise APIError(409, f"cannot start a profile: {e}", code="profile_running") from None
+            self._profiling = True
+            log.info("profiling into %s", self.config.profiler_dir)
+        return Response(status_code=200)
+
+    async def stop_profile(self) -> Response:
+        """vLLM's POST /stop_profile: write the trace (under profiler_dir/plugins/profile/); 409 if none runs."""
+        async with self._profile_lock:
+            if not self._profiling:
+                raise APIError(409, "no profile is running: POST /start_profile first", code="profile_not_running")
+            try:
+                await asyncio.to_thread(jax.profiler.stop_trace)
+            finally:
+                self._profiling = False
+            log.info("profile written to %s", self.config.profiler_dir)
         return Response(status_code=200)
 
     async def prometheus_metrics(self) -> Response:
@@ -341,6 +449,16 @@ class OpenAIServer:
         token_strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens,
                 "token_strs": token_strs}
+
+    async def tokenizer_info(self) -> dict:
+        """vLLM's GET /tokenizer_info: what a client needs to tokenize as the server does (lm-evaluation-harness's
+        remote tokenizer reads it, then calls /tokenize)."""
+        tokenizer = self.require_tokenizer("model")
+        return {"tokenizer_class": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size,
+                "model_max_length": self.max_model_len, "bos_token": tokenizer.bos_token,
+                "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
+                "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id, "chat_template": tokenizer.chat_template}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         self.check_model(body.model)
@@ -446,13 +564,23 @@ def build_app(engine: LLMEngine, config: ServerConfig,
 
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/embeddings", server.embeddings, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus_metrics, methods=["GET"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", server.tokenizer_info, methods=["GET"])
     app.add_api_route("/reset_prefix_cache", server.reset_prefix_cache, methods=["POST"])
+    if config.profiler_dir:  # behind the API key like every route
+        app.add_api_route("/start_profile", server.start_profile, methods=["POST"])
+        app.add_api_route("/stop_profile", server.stop_profile, methods=["POST"])
     if config.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
-    app.add_middleware(_BodyLimitMiddleware, max_bytes=config.max_request_bytes)  # outermost: before anything
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.allowed_origins:
+        # Outermost: a browser's preflight (OPTIONS, no credentials) is answered before the API key is asked
+        # for, and every response (a 401, a 413) carries the CORS headers the browser needs to read it.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers))
     return app

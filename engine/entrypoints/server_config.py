@@ -17,3 +17,12 @@ class ServerConfig:
     max_stop_strings: int = 64         # each is matched against every streamed token's text
     max_stop_chars: int = 1024         # per stop string
     shutdown_timeout_s: float = 30.0   # on SIGTERM, how long running requests may go on finishing
+    # chat: a name in engine/entrypoints/reasoning.py's REASONING_PARSERS; None: the reasoning stays in content
+    reasoning_parser: str | None = None
+    # chat "auto" tool calls: a name in engine/entrypoints/tool_calls.py's TOOL_PARSERS; None: by the template
+    tool_call_parser: str | None = None
+    # CORS (Starlette's CORSMiddleware): origins allowed, or ("*",); None: no CORS headers at all
+    allowed_origins: tuple[str, ...] | None = None
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    profiler_dir: str | None = None    # POST /start_profile, /stop_profile write jax.profiler traces here

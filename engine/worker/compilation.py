@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from engine.worker.packing import StepLayout, bucket
 from engine.worker.sampler import build_sampling_metadata
-from engine.worker.step import sample_step
+from engine.worker.step import pooling_step, sample_step
 
 log = logging.getLogger("ferry")
 
@@ -40,7 +40,7 @@ def powers_of_two(lo: int, hi: int) -> list[int]:
 class Buckets:
     decode_batch: tuple[int, ...]     # decode rows
     prefill_tokens: tuple[int, ...]   # flat token rows of a prefill call
-    # its sequences: the step's decodes (one row each), then its prefill chunks; a scored prompt's call the first
+    # its sequences: the step's decodes (one row each), then its prefill chunks; scored prompts' calls the first
     prefill_seqs: tuple[int, ...]
     width: int                        # block-table width: every sequence's most pages. One width:
                                       # the kernels loop over the pages a sequence uses, not the table
@@ -146,6 +146,40 @@ class CompilationManager:
                 if (layout, mode) in ready:
                     return layout
         return exact
+
+    def pooling_layout(self, seqs) -> StepLayout:
+        """A pooling call's layout (pooling_step, embeddings): the plain prefill bucket of `seqs` (SeqSlices), its
+        own program whatever a lazy warm-up has compiled (those are the samplers')."""
+        b = self.buckets
+        return b.prefill_layout(b.pick(b.prefill_tokens, sum(len(s.token_ids) for s in seqs)),
+                                b.pick(b.prefill_seqs, len(seqs)))
+
+    def warmup_pooling(self) -> float:
+        """EngineConfig.task "embed": compile pooling_step for every prefill layout, and the swap copies, before
+        returning (no sampler program: such an engine never decodes). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        layouts = self.buckets.prefill_layouts()
+        cache = self.runner.kv.shapes()
+        with (concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool,
+              tqdm(total=len(layouts), desc="warm-up", unit="program") as bar):
+            for future in concurrent.futures.as_completed([pool.submit(self.compile_pooling, layout, cache)
+                                                           for layout in layouts]):
+                future.result()
+                bar.update(1)
+        self.runner.kv.warm_swaps()
+        self.runner.timings = {"device_s": 0.0, "pack_s": 0.0}
+        elapsed = time.perf_counter() - t0
+        log.info("warm-up: %d pooling programs and %d swap sizes in %.1f s", len(layouts),
+                 len(self.buckets.swap_blocks), elapsed)
+        return elapsed
+
+    def compile_pooling(self, layout: StepLayout, cache=None):
+        """pooling_step compiled ahead of time for `layout`, as compile_step does sample_step."""
+        runner = self.runner
+        buf = np.zeros(layout.size, np.int32)
+        with jax.set_mesh(runner.mesh):
+            return pooling_step.lower(runner.graphdef, runner.model.state, cache or runner.kv.shapes(), buf, layout,
+                                      runner.kernels).compile()
 
     def warmup(self, sampling: bool, background: bool) -> float:
         """Compile every step layout for the greedy sampler and, if `sampling`, for the full one too,

@@ -33,6 +33,7 @@ class CachedRequestState:
     scores_prompt: bool
     needs_full_sampler: bool  # its params need randomness, penalties or logprobs
     plain_argmax: bool        # every row of it is plain argmax: no full sampler, min_tokens or grammar
+    pools: bool = False       # an embedding: its chunks pool (ModelRunner._run_pooling), it never decodes
 
     @classmethod
     def of(cls, data: NewRequestData) -> "CachedRequestState":
@@ -41,7 +42,7 @@ class CachedRequestState:
         full = data.params is not None and needs_full_sampler(data.params)
         return cls(data.req_id, data.prompt_token_ids, data.output_token_ids, data.block_ids,
                    data.params, data.seed, data.max_tokens, data.min_tokens, data.stop_token_ids, data.has_grammar,
-                   data.scores_prompt, full, not (full or data.min_tokens or data.has_grammar))
+                   data.scores_prompt, full, not (full or data.min_tokens or data.has_grammar), data.pools)
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,7 @@ from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.kv_cache import KVCacheStore
 from engine.worker.packing import SeqSlice, StepLayout, bucket, pack
 from engine.worker.sampler import build_sampling_metadata, fetch_sample, sampler_mode, sampling_row
-from engine.worker.step import prompt_logprobs_step, sample_step
+from engine.worker.step import pooling_step, prompt_logprobs_step, sample_step
 from models.loading import LoadedModel
 from models.mesh import make_mesh
 from models.paged import kv_cache_groups
@@ -79,6 +79,7 @@ def _merge(out: ModelRunnerOutput, part: ModelRunnerOutput, decodes: list[str]) 
         out.sampled.update(zip(decodes, part.decode_tokens))
     out.logprobs.update(part.logprobs)
     out.prompt_logprobs.update(part.prompt_logprobs)
+    out.pooler_output.update(part.pooler_output)
 
 
 class ModelRunner:
@@ -191,10 +192,15 @@ class ModelRunner:
         the request that makes it fail."""
         out = ModelRunnerOutput()
         requests = self.requests
+        pooling = [c for c in prefills if requests[c.req_id].pools]
+        if pooling:  # embeddings: their own calls, which sample nothing
+            self._run_pooling(pooling, out)
+            prefills = [c for c in prefills if not requests[c.req_id].pools]
         scoring = [c for c in prefills if requests[c.req_id].scores_prompt]
         plain = [c for c in prefills if not requests[c.req_id].scores_prompt]
-        for chunk in scoring:  # one per call: every row's logits are needed
-            self._run_prefill([chunk], out, masks, score=True)
+        per_call = self.buckets.prefill_seqs[0]  # their calls' layout: every row's logits, the fewest sequences
+        for i in range(0, len(scoring), per_call):
+            self._run_prefill(scoring[i:i + per_call], out, masks, score=True)
         most = self.buckets.prefill_seqs[-1]
         if plain and len(plain) + len(decodes) <= most:  # one ragged call: the decodes ride along
             self._run_prefill(plain, out, masks, score=False, decodes=decodes)
@@ -287,9 +293,9 @@ class ModelRunner:
         buf = pack(seqs, layout, self.block_size, all_logits=score, after=after)
         self.timings["pack_s"] += time.perf_counter() - t0
         if score:
-            (chunk,) = chunks
-            sample, scores = self._call(buf, layout, rows, masks, score_chunk=chunk, mode=mode)
-            out.prompt_logprobs[chunk.req_id] = (chunk.start + 1, scores)
+            sample, scores = self._call(buf, layout, rows, masks, score_chunks=chunks, mode=mode)
+            for chunk, chunk_scores in zip(chunks, scores):
+                out.prompt_logprobs[chunk.req_id] = (chunk.start + 1, chunk_scores)
         else:
             sample = self._call(buf, layout, rows, masks, mode=mode)
         if decodes:
@@ -298,6 +304,26 @@ class ModelRunner:
         picked = _select_rows(sample, [i for i, _ in sampling])
         out.sampled.update(zip([c.req_id for _, c in sampling], picked[0].tolist()))
         self._collect_logprobs([c.req_id for _, c in sampling], picked, out)
+
+    def _run_pooling(self, chunks: list[ScheduledChunk], out: ModelRunnerOutput) -> None:
+        """Embeddings' prefill chunks, as many sequences a call as a prefill bucket holds: each chunk's sum of
+        final hidden states, and the last prompt row of a chunk that ends its prompt, into `out.pooler_output`."""
+        most = self.buckets.prefill_seqs[-1]
+        for i in range(0, len(chunks), most):
+            part = chunks[i:i + most]
+            t0 = time.perf_counter()
+            states = [self.requests[c.req_id] for c in part]
+            seqs = [SeqSlice(s.token_ids(c.start, c.start + c.length), c.start, s.block_ids)
+                    for s, c in zip(states, part)]
+            layout = self.compilation.pooling_layout(seqs)
+            buf = pack(seqs, layout, self.block_size)
+            t1 = time.perf_counter()
+            sums, last = jax.device_get(self._device_call("device_pool", buf, layout))
+            self.timings["pack_s"] += t1 - t0
+            self.timings["device_s"] += time.perf_counter() - t1
+            for j, (state, chunk) in enumerate(zip(states, part)):
+                ends = chunk.start + chunk.length == state.num_prompt_tokens
+                out.pooler_output[chunk.req_id] = (sums[j], last[j] if ends else None)
 
     def _collect_logprobs(self, req_ids: list[str], sample, out: ModelRunnerOutput):
         _, logprob, top_ids, top_lp = sample
@@ -309,22 +335,22 @@ class ModelRunner:
             k = state.params.logprobs
             out.logprobs[req_id] = (float(logprob[i]), list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
 
-    def _call(self, buf, layout: StepLayout, rows, masks: dict, score_chunk=None, mode: str | None = None):
+    def _call(self, buf, layout: StepLayout, rows, masks: dict, score_chunks=None, mode: str | None = None):
         """Run the jitted step on a packed buffer, fetch its (small) outputs. `rows`: (state, tokens it has once
         this step is done) per sequence: a list, or with `mode` (the sampler, when the caller knows it) any
         iterable, read at most once. Returns numpy (tokens, logprob, top_ids, top_logprobs) per logits row, and
-        with `score_chunk` also that chunk's prompt logprobs."""
+        with `score_chunks` (the call's chunks, all scored) also each chunk's prompt logprobs."""
         t0 = time.perf_counter()
-        (sample, scores), mode = self._dispatch(buf, layout, rows, masks, score_chunk, mode)
+        (sample, scores), mode = self._dispatch(buf, layout, rows, masks, score_chunks, mode)
         t1 = time.perf_counter()
         sample = fetch_sample(sample, mode)
         self.timings["pack_s"] += t1 - t0
         self.timings["device_s"] += time.perf_counter() - t1
-        if score_chunk is None:
+        if score_chunks is None:
             return sample
-        return sample, self._prompt_scores(score_chunk, jax.device_get(scores))
+        return sample, self._prompt_scores(score_chunks, jax.device_get(scores))
 
-    def _dispatch(self, buf, layout: StepLayout, rows, masks: dict, score_chunk, mode: str | None):
+    def _dispatch(self, buf, layout: StepLayout, rows, masks: dict, score_chunks, mode: str | None):
         """Start the jitted step (its sampling metadata built here): ((its on-device SampleOutput, prompt scores
         or None), the sampler mode)."""
         mode = mode or sampler_mode(rows, masks)
@@ -332,10 +358,11 @@ class ModelRunner:
                                                layout.width * self.block_size, self.model.cfg.vocab_size)
                        if mode == "full" else None)
         scoring = None
-        if score_chunk is not None:
+        if score_chunks is not None:
+            ends = np.cumsum([c.length for c in score_chunks])
             sample_rows = np.zeros(layout.num_seqs, np.int32)
-            sample_rows[0] = score_chunk.length - 1
-            scoring = (*self._next_prompt_ids(score_chunk, layout.num_tokens), sample_rows)
+            sample_rows[:len(score_chunks)] = ends - 1  # each chunk's last row
+            scoring = (*self._next_prompt_ids(score_chunks, layout.num_tokens), sample_rows)
         return self._device_call("device_step", buf, sampling_md, layout, mode, scoring), mode
 
     def device_step(self, buf, sampling_md, layout: StepLayout, mode: str, scoring=None):
@@ -357,23 +384,39 @@ class ModelRunner:
                 num_top, self.kernels)
             return sample, scores
 
-    def _next_prompt_ids(self, chunk: ScheduledChunk, num_rows: int):
-        """The prompt token each row predicts (-1 past the prompt), and how many top logprobs to keep."""
-        state = self.requests[chunk.req_id]
-        next_ids = np.full(num_rows, -1, np.int32)
-        following = state.prompt_token_ids[chunk.start + 1:chunk.start + chunk.length + 1]
-        next_ids[:len(following)] = following
-        return next_ids, max(1, bucket(state.params.prompt_logprobs or 1))
+    def device_pool(self, buf, layout: StepLayout):
+        """An embeddings' call (pooling_step), from host inputs only (so other processes can replay it): the
+        on-device (per-sequence sums, last rows) of the final hidden states."""
+        with jax.set_mesh(self.mesh):
+            pooled, self.kv.pages = pooling_step(self.graphdef, self.model.state, self.kv.pages, buf, layout,
+                                                 self.kernels)
+        return pooled
 
-    def _prompt_scores(self, chunk: ScheduledChunk, scores):
-        """[(logprob of the next prompt token, [(id, logprob) of the top k]), ...] for the chunk's rows
-        that predict a prompt token."""
+    def _next_prompt_ids(self, chunks: list[ScheduledChunk], num_rows: int):
+        """The prompt token each row of the packed chunks predicts (-1 past a prompt, and in the padding), and how
+        many top logprobs to keep (the most any chunk's request asks for)."""
+        next_ids = np.full(num_rows, -1, np.int32)
+        row = 0
+        for chunk in chunks:
+            state = self.requests[chunk.req_id]
+            following = state.prompt_token_ids[chunk.start + 1:chunk.start + chunk.length + 1]
+            next_ids[row:row + len(following)] = following
+            row += chunk.length
+        return next_ids, max(bucket(self.requests[c.req_id].params.prompt_logprobs or 1) for c in chunks)
+
+    def _prompt_scores(self, chunks: list[ScheduledChunk], scores) -> list[list]:
+        """Per chunk, [(logprob of the next prompt token, [(id, logprob) of the top k]), ...] for its rows that
+        predict a prompt token."""
         chosen, top_ids, top_values = scores
-        state = self.requests[chunk.req_id]
-        k = state.params.prompt_logprobs
-        rows = min(chunk.length, state.num_prompt_tokens - 1 - chunk.start)
-        return [(float(chosen[i]), list(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())))
-                for i in range(max(rows, 0))]
+        per_chunk, row = [], 0
+        for chunk in chunks:
+            state = self.requests[chunk.req_id]
+            k = state.params.prompt_logprobs
+            rows = min(chunk.length, state.num_prompt_tokens - 1 - chunk.start)
+            per_chunk.append([(float(chosen[i]), list(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())))
+                              for i in range(row, row + max(rows, 0))])
+            row += chunk.length
+        return per_chunk
 
     # -------------------------------------------------------------- device calls other processes replay
 
@@ -392,3 +435,10 @@ class ModelRunner:
 
     def _warmup(self, sampling: bool, background: bool) -> float:
         return self.compilation.warmup(sampling, background)
+
+    def warmup_pooling(self) -> float:
+        """Compile every embeddings' program now (CompilationManager.warmup_pooling); returns the seconds it took."""
+        return self._device_call("_warmup_pooling")
+
+    def _warmup_pooling(self) -> float:
+        return self.compilation.warmup_pooling()

@@ -1,4 +1,5 @@
-"""The jitted model steps: the packed int32 buffer in, logits or sampled tokens and the updated cache out."""
+"""The jitted model steps: the packed int32 buffer in, logits, sampled tokens or pooled hidden states and the updated
+cache out."""
 
 import functools
 
@@ -46,3 +47,18 @@ def prompt_logprobs_step(graphdef, state, kv_cache, buf, sampling_md, next_ids, 
     top_values, top_ids = jax.lax.top_k(logprobs, num_top)
     return (chosen, top_ids.astype(jnp.int32), top_values), sample(logits[sample_rows], sampling_md,
                                                                    mode=mode), kv_cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(2,))
+def pooling_step(graphdef, state, kv_cache, buf, layout: StepLayout, kernels):
+    """A prefill step for embeddings: no LM head, no sampler. The final hidden states of every token row (after
+    the final norm), float32, summed per sequence (one segment sum over the packed rows, so a call pools many
+    sequences), and each sequence's last row: ([num_seqs, hidden], [num_seqs, hidden]). The host adds a request's
+    chunks' sums up (mean pooling) or takes its last chunk's last row (last pooling). Padding rows fall past the
+    last segment and are dropped."""
+    token_ids, positions, md, last_rows = unpack(buf, layout)
+    hidden, kv_cache = forward(graphdef, state, kv_cache, token_ids, positions, md, None, kernels, hidden_states=True)
+    hidden = hidden.astype(jnp.float32)
+    seq_of_row = jnp.searchsorted(md.query_start_loc[1:], jnp.arange(layout.num_tokens), side="right")
+    sums = jax.ops.segment_sum(hidden, seq_of_row, num_segments=layout.num_seqs, indices_are_sorted=True)
+    return (sums, hidden[last_rows]), kv_cache

@@ -12,7 +12,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.worker import compilation
 from engine.worker.compilation import CompileCounter
-from helpers.hf_models import check_greedy_match, hf_greedy, make_hf_model
+from helpers.hf_models import check_greedy_match, hf_greedy, make_hf_model, random_llama_checkpoint
 from models.config import ModelConfig
 from models.loading import load_model, random_model
 from models.paged import kv_cache_groups
@@ -20,10 +20,7 @@ from models.paged import kv_cache_groups
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("llama")
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    torch_model = make_hf_model("llama3", out, seed=seed)
-    return seed, torch_model, load_model(str(out))
+    return random_llama_checkpoint(tmp_path_factory)
 
 
 def _workload(seed, vocab, n=10):

@@ -288,6 +288,58 @@ def test_bad_input_fails_at_submission_naming_the_field(llama):
     assert not engine.has_unfinished() and engine.scheduler.kv.device_pool.num_used == 0
 
 
+def test_vllm_prompt_forms_and_refused_ones(text_model):
+    """vLLM's TextPrompt / TokensPrompt dicts (with cache_salt) beside strings and token ids (numpy's too), in
+    one batch; anything else is a TypeError naming the accepted forms, a bad dict field an error naming it, and
+    a refused batch queues nothing."""
+    llm = LLM(text_model, EngineConfig(**CONFIG))
+    ids = llm.tokenizer.encode("hello world")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    forms = ["hello world", ids, np.array(ids), {"prompt": "hello world"}, {"prompt_token_ids": ids},
+             {"prompt_token_ids": ids, "cache_salt": "tenant-a"}]
+    outputs = llm.generate(forms, greedy, use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
+    assert [o.prompt_token_ids for o in outputs] == [ids] * len(forms)
+    assert llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].outputs[0].token_ids == \
+        outputs[0].outputs[0].token_ids
+    for bad, error, field in [
+        ({"prompt": "hi", "multi_modal_data": {"image": None}}, SamplingParamsError, "multi_modal_data"),
+        ({"prompt": 5}, SamplingParamsError, "prompt"),
+        ({"prompt_token_ids": "hello"}, SamplingParamsError, "prompt_token_ids"),
+        ({}, SamplingParamsError, "prompt"),
+        ({"prompt": "hi", "prompt_token_ids": ids}, SamplingParamsError, "prompt"),
+        ({"prompt": "hi", "lora_request": 1}, SamplingParamsError, "lora_request"),
+        (42, TypeError, None),
+        ([3.5, 2.0], TypeError, None),
+        ([["hello"]], TypeError, None),
+    ]:
+        with pytest.raises(error) as e:
+            llm.generate(["hello world", bad], greedy, use_tqdm=False)
+        if field is not None:
+            assert e.value.field == field, bad
+        else:
+            assert "TokensPrompt" in str(e.value)
+        assert llm.engine.num_requests == 0  # (a decode step planned ahead may still be in flight: no request)
+
+
+def test_the_stop_token_is_in_the_token_ids_not_the_text(text_model):
+    """As vLLM: the EOS or stop token id that ends a sample is not in its text, even with special tokens kept
+    (a tool call's text would end in the EOS token's), unless include_stop_str_in_output."""
+    llm = LLM(text_model, EngineConfig(**CONFIG))
+    tok = llm.tokenizer
+    free = llm.generate("hello world", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    stop = free[3]
+    cut = free[:free.index(stop) + 1]
+    for include in (False, True):
+        out = llm.generate("hello world", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                         stop_token_ids=[stop], skip_special_tokens=False,
+                                                         include_stop_str_in_output=include), use_tqdm=False)[0]
+        (sample,) = out.outputs
+        assert sample.token_ids == cut and sample.finish_reason == "stop" and sample.stop_reason == stop
+        assert sample.text == tok.decode(cut if include else cut[:-1], skip_special_tokens=False)
+
+
 def test_min_tokens_bans_stop_tokens_until_reached(llama):
     """A stop token id is never sampled before min_tokens; without min_tokens it stops at once."""
     seed, _, loaded = llama

@@ -145,6 +145,17 @@ def check_greedy_match(ours: list[int], ref: list[int], ref_logits: np.ndarray, 
     return None
 
 
+def random_llama_checkpoint(tmp_path_factory):
+    """(seed, torch model, Ferry's LoadedModel) of a random llama3 checkpoint with a fresh seed (printed by the
+    tests that use it on failure)."""
+    from models.loading import load_model  # noqa: PLC0415
+
+    out = tmp_path_factory.mktemp("llama")
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    torch_model = make_hf_model("llama3", out, seed=seed)
+    return seed, torch_model, load_model(str(out))
+
+
 def make_text_model(tmp_path_factory, seed: int, chat_template: str | None = None, **overrides):
     """(model dir, torch model): a random llama whose vocabulary is the byte-level BPE test tokenizer's
     (tests/helpers/tokenizer_fixtures.py), with the tokenizer files beside the weights as in a real checkpoint."""

@@ -165,6 +165,47 @@ def test_models_tokenize_detokenize(server, client):
 # ---------------------------------------------------------------------- errors, auth, admission
 
 
+def test_echo_returns_the_prompt_and_its_logprobs(server, client):
+    """lm-evaluation-harness's scoring request (echo, logprobs, max_tokens 1) and vLLM's max_tokens 0, whole and
+    streamed, for text and token-id prompts: the prompt's tokens come first, the first one's logprob null."""
+    prompt = "the quick brown fox"
+    ids = post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    scored = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    (choice,) = scored.choices
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:]) and all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens).endswith(prompt)  # the BOS token's text first
+    # With a continuation: the prompt's part is the same, then what a request without echo generates.
+    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
+                                      extra_body=NO_EOS).choices[0]
+    both = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=3, temperature=0, logprobs=1,
+                                     echo=True, extra_body=NO_EOS)
+    echoed = both.choices[0]
+    assert echoed.text == prompt + plain.text and both.usage.completion_tokens == 3
+    # (the scoring step is another program than the plain one: its float32 logprobs may differ in the last bits)
+    assert echoed.logprobs.token_logprobs[0] is None
+    assert echoed.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:] + plain.logprobs.token_logprobs,
+                                                               abs=1e-5)
+    assert echoed.logprobs.text_offset[len(ids)] == len(prompt)
+    # Streamed: the first chunk carries the prompt; the chunks join to the whole response.
+    text, logprobs = "", []
+    for chunk in client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0,
+                                           logprobs=1, echo=True, stream=True, extra_body=NO_EOS):
+        for c in chunk.choices:
+            text += c.text
+            logprobs += c.logprobs.token_logprobs if c.logprobs else []
+    assert text == echoed.text and logprobs == echoed.logprobs.token_logprobs
+    # A batch (lm-eval sends several token-id prompts at once), without logprobs.
+    batch = client.completions.create(model=MODEL_NAME, prompt=[ids, ids[:2]], max_tokens=0, echo=True)
+    head = post(server, "/detokenize", {"tokens": ids[:2]}).json()["prompt"]
+    assert [c.text for c in batch.choices] == [prompt, head]
+    assert all(c.logprobs is None for c in batch.choices)
+    server.settle()
+
+
 def test_bad_input_is_a_400_naming_the_field_and_changes_nothing(server):
     long_prompt = " ".join(WORDS * 8)
     messages = [{"role": "user", "content": "hi"}]
@@ -190,6 +231,10 @@ def test_bad_input_is_a_400_naming_the_field_and_changes_nothing(server):
         ("/v1/completions", {**completion, "repetition_penalty": 0}, 400, "repetition_penalty"),
         ("/v1/completions", {**completion, "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ("/v1/completions", {"model": MODEL_NAME}, 400, "prompt"),
+        ("/v1/completions", {**completion, "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
+        ("/v1/completions", {**completion, "echo": True, "max_tokens": -1}, 400, "max_tokens"),
+        ("/v1/completions", {**completion, "echo": True, "logprobs": 21}, 400, "logprobs"),
+        ("/v1/completions", {**completion, "echo": "yes"}, 400, "echo"),
         ("/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": 4}, 400, "messages"),
         ("/v1/chat/completions", {**chat, "messages": []}, 400, "messages"),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": long_prompt}]}, 400, "messages"),
