@@ -19,11 +19,13 @@ from tqdm import tqdm
 
 from engine.worker.packing import StepLayout, bucket
 from engine.worker.sampler import build_sampling_metadata
-from engine.worker.step import pooling_step, sample_step
+from engine.worker.step import pooling_step, prompt_logprobs_step, sample_step
 
 log = logging.getLogger("ferry")
 
 MIN_PREFILL_TOKENS = 16
+# Warm-up compiles scored prompts' programs (echo, prompt_logprobs) at this many top logprobs: lm-eval's
+SCORED, SCORED_TOP = "scored", 1
 
 
 def powers_of_two(lo: int, hi: int) -> list[int]:
@@ -82,6 +84,11 @@ class Buckets:
         """Every layout a plain (not prompt-scoring) step can take: what warm-up compiles."""
         return self.decode_layouts() + self.prefill_layouts()
 
+    def scoring_layouts(self) -> list[StepLayout]:
+        """Every layout a prompt-scoring call (echo, prompt_logprobs) can take: every row's logits, the fewest
+        sequences."""
+        return [self.prefill_layout(tokens, all_logits=True) for tokens in self.prefill_tokens]
+
 
 @functools.cache
 def ferry_source_hash() -> str:
@@ -139,7 +146,7 @@ class CompilationManager:
             exact = b.prefill_layout(b.pick(b.prefill_tokens, decodes + sum(len(s.token_ids) for s in seqs)), num_seqs,
                                      all_logits)
         ready = self._ready
-        if ready is not None and not all_logits:  # scored prompts' programs are never warmed: theirs
+        if ready is not None and not all_logits:  # a scored prompt takes its own (warmed in the background)
             larger = (b.decode_layouts(exact.num_seqs) if decode else
                       b.prefill_layouts(exact.num_tokens, exact.num_seqs))
             for layout in larger:
@@ -198,6 +205,8 @@ class CompilationManager:
         layouts = self.buckets.step_layouts()
         modes = ("greedy", "full") if sampling else ("greedy",)
         groups = [[(layout, mode) for layout in layouts] for mode in modes]
+        if sampling:  # scored prompts at lm-eval's one top logprob, offline (greedy) and served (with logprobs)
+            groups.append([(layout, mode, SCORED) for mode in modes for layout in self.buckets.scoring_layouts()])
         groups = [(programs, self._warm_record(programs)) for programs in groups]
         now, later, self._ready = groups, [], None
         if background:
@@ -265,10 +274,12 @@ class CompilationManager:
         return records / hashlib.sha256(key.encode()).hexdigest()
 
     def _compile_steps(self, groups, cache, threads: int, progress: bool):
-        """Compile sample_step for each (layout, sampler mode) of each group (programs, warm record or None)
-        against `cache` (ShapeDtypeStructs), on `threads` threads; a group's record is left once it is done."""
+        """Compile each program of each group (programs, warm record or None) against `cache` (ShapeDtypeStructs),
+        on `threads` threads; a group's record is left once it is done. A program: (layout, sampler mode) for
+        sample_step, (layout, sampler mode, SCORED) for prompt_logprobs_step."""
         def compile_one(program):
-            self.compile_step(*program, cache)
+            layout, mode, *scored = program
+            self.compile_step(layout, mode, cache, scored=bool(scored))
             if self._ready is not None:
                 self._ready.add(program)
 
@@ -293,12 +304,13 @@ class CompilationManager:
                 except OSError as e:  # a read-only cache: the next start just loads in the foreground
                     log.warning("warm-up: cannot leave a record in %s: %s", record.parent, e)
 
-    def compile_step(self, layout: StepLayout, mode: str, cache=None):
-        """sample_step compiled ahead of time for `layout` and sampler `mode`, against `cache` (default: the KV
-        cache's shapes) and the arguments a step passes (shapes only: nothing runs)."""
+    def compile_step(self, layout: StepLayout, mode: str, cache=None, scored: bool = False):
+        """sample_step (`scored`: prompt_logprobs_step, at SCORED_TOP logprobs) compiled ahead of time for `layout`
+        and sampler `mode`, against `cache` (default: the KV cache's shapes) and the arguments a step passes
+        (shapes only: nothing runs)."""
         runner = self.runner
         return compile_step(runner.graphdef, runner.model.state, cache or runner.kv.shapes(), runner.fed, layout, mode,
-                            runner.kernels, runner.mesh, runner.block_size, runner.model.cfg.vocab_size)
+                            runner.kernels, runner.mesh, runner.block_size, runner.model.cfg.vocab_size, scored)
 
     def _compile_in_background(self, groups, cache) -> None:
         t0 = time.perf_counter()
@@ -311,7 +323,7 @@ class CompilationManager:
 
 
 def compile_step(graphdef, state, cache, fed, layout: StepLayout, mode: str, kernels, mesh, block_size: int,
-                 vocab_size: int):
+                 vocab_size: int, scored: bool = False):
     """sample_step compiled ahead of time for `layout` and sampler `mode` with the arguments a step passes:
     `state` and `cache` (arrays or ShapeDtypeStructs), `fed` (the decode feedback buffer, or its shape), the
     packed buffer and the sampling metadata as shapes. Lowered and compiled under the mesh context the steps
@@ -323,6 +335,10 @@ def compile_step(graphdef, state, cache, fed, layout: StepLayout, mode: str, ker
     sampling_md = (build_sampling_metadata([], layout.num_seqs, layout.width * block_size, vocab_size)
                    if mode == "full" else None)
     with jax.set_mesh(mesh):  # per thread: the mesh context is thread-local
+        if scored:  # ModelRunner._dispatch's arguments: each row's next prompt token, each sequence's sample row
+            next_ids, sample_rows = np.zeros(layout.num_tokens, np.int32), np.zeros(layout.num_seqs, np.int32)
+            return prompt_logprobs_step.lower(graphdef, state, cache, buf, sampling_md, next_ids, sample_rows, layout,
+                                              mode, SCORED_TOP, kernels).compile()
         return sample_step.lower(graphdef, state, cache, fed, buf, sampling_md, layout, mode, kernels).compile()
 
 

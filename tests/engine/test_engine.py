@@ -311,16 +311,19 @@ def test_warmup_of_a_deeper_model_compiles_no_more_programs():
 
 
 def test_lazy_warmup_compiles_the_full_sampler_in_the_background():
-    """warmup="lazy": the greedy programs before __init__ returns, the full sampler's on a thread; once
-    it is done, sampled and greedy requests compile nothing."""
+    """warmup="lazy": the greedy programs before __init__ returns, the full sampler's and the scored prompts' on
+    a thread; once it is done, sampled, greedy and scored requests (lm-eval's, offline: top-1 prompt logprobs,
+    greedy; served: echo with logprobs=1) compile nothing."""
     counter = CompileCounter.install()
     engine = _random_engine(2, warmup="lazy")
     engine.runner.compilation.wait_for_warmup()
     before = counter.count
     rng = np.random.default_rng()
-    for i in range(12):
+    scored = [dict(prompt_logprobs=1, temperature=0.0), dict(prompt_logprobs=1, logprobs=1, temperature=0.0)]
+    for i in range(16):
         prompt = rng.integers(3, 128, size=int(rng.integers(1, 30))).tolist()
-        params = SamplingParams(temperature=float(i % 2), max_tokens=int(rng.integers(1, 12)), ignore_eos=True)
+        kind = scored[i % 2] if i >= 12 else dict(temperature=float(i % 2))
+        params = SamplingParams(**kind, max_tokens=int(rng.integers(1, 12)), ignore_eos=True)
         engine.add_request(None, prompt, params)
     while engine.has_unfinished():
         engine.step()
