@@ -276,13 +276,14 @@ def test_a_warm_start_loads_every_program_after_it_returns(tmp_path, monkeypatch
     monkeypatch.setattr(compilation, "warm_records_dir", lambda: tmp_path)
     config = dict(warmup="lazy", preemption_mode="swap")
     first = _random_engine(2, **config)
-    programs = len(first.runner.buckets.step_layouts())
-    assert first.runner.compilation.warmup_split == (4, 2 * programs - 4)  # each sampler's largest decode and prefill
+    buckets = first.runner.buckets
+    programs = 2 * (len(buckets.step_layouts()) + len(buckets.scoring_layouts()))  # per sampler: steps, scored
+    assert first.runner.compilation.warmup_split == (4, programs - 4)  # each sampler's largest decode and prefill
     first.runner.compilation.wait_for_warmup()
-    assert len(list(tmp_path.iterdir())) == 2  # one record per sampler
+    assert len(list(tmp_path.iterdir())) == 3  # one record per sampler's steps, one for the scored prompts
     counter = CompileCounter.install()
     warm = _random_engine(2, **config)
-    assert warm.runner.compilation.warmup_split == (0, 2 * programs)
+    assert warm.runner.compilation.warmup_split == (0, programs)
     warm.runner.compilation.wait_for_warmup()
     before = counter.count
     for i in range(4):  # 4 x up to 8 blocks of 8 tokens in 24 blocks: swaps
@@ -294,7 +295,7 @@ def test_a_warm_start_loads_every_program_after_it_returns(tmp_path, monkeypatch
     assert counter.count == before, f"{counter.count - before} compilations after a warm start's warm-up"
     monkeypatch.setattr(compilation, "ferry_source_hash", lambda: "edited")
     edited = _random_engine(2, **config)
-    assert edited.runner.compilation.warmup_split == (4, 2 * programs - 4)
+    assert edited.runner.compilation.warmup_split == (4, programs - 4)
     edited.runner.compilation.wait_for_warmup()
 
 
