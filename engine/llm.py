@@ -42,14 +42,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         engine = self.engine
-        ids = []
-        try:
-            for (prompt, salt), p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p, cache_salt=salt, final_only=True))
-        except Exception:
-            for rid in ids:  # all or nothing: a bad prompt leaves no half-queued batch behind
-                engine.abort(rid)
-            raise
+        ids = self._add_all(prompts, params, final_only=True)
         finals: dict[str, RequestOutput] = {}
         full_outputs = {rid: engine.full_output(rid) for rid in ids}
         t0, generated = time.perf_counter(), 0
@@ -62,6 +55,19 @@ class LLM:
                         bar.update(1)
                 bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - t0, 1e-9):.1f}")
         return [finals[rid] for rid in ids]
+
+    def _add_all(self, prompts: list, params: list, **kwargs) -> list[str]:
+        """Queue every (prompt, cache_salt) with its params; all or nothing: a bad prompt leaves no half-queued
+        batch behind. Returns the request ids."""
+        ids = []
+        try:
+            for (prompt, salt), p in zip(prompts, params):
+                ids.append(self.engine.add_request(None, prompt, p, cache_salt=salt, **kwargs))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return ids
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -91,16 +97,8 @@ class LLM:
         (`pooling_params`, default last-token and L2-normalized), through the same continuous batching;
         outputs in input order. A failed request's output has `error` set and an empty embedding."""
         prompts = _prompt_list(prompts)
-        params = pooling_params or PoolingParams()
         engine = self.engine
-        ids = []
-        try:
-            for prompt, salt in prompts:
-                ids.append(engine.add_request(None, prompt, params, cache_salt=salt))
-        except Exception:
-            for rid in ids:  # all or nothing, as generate
-                engine.abort(rid)
-            raise
+        ids = self._add_all(prompts, [pooling_params or PoolingParams()] * len(prompts))
         finals: dict[str, EmbeddingRequestOutput] = {}
         wanted = set(ids)
         with tqdm(total=len(ids), desc="embed", unit="req", disable=not use_tqdm) as bar:

@@ -17,6 +17,7 @@ Three modes, by the request's tool_choice:
               complete.
 """
 
+import abc
 import dataclasses
 import json
 import re
@@ -124,7 +125,7 @@ _WAIT = object()  # a parser step's answer: the text so far cannot decide; wait 
 # ---------------------------------------------------------------------- the "auto" parsers
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """One choice's "auto" output, fed text delta by text delta: `feed` returns (content delta, finished calls).
     Text is held in `pending` only while it could still become a call."""
 
@@ -133,8 +134,9 @@ class ToolParser:
     def __init__(self):
         self.pending = ""
 
+    @abc.abstractmethod
     def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+        """(content delta, finished calls) for the next delta of text."""
 
 
 class HermesToolParser(ToolParser):
@@ -197,8 +199,9 @@ class _PrefixedCallsParser(ToolParser):
             content, self.pending = content + self.pending, ""
         return content, calls
 
+    @abc.abstractmethod
     def _step(self):
-        raise NotImplementedError
+        """The next piece of `pending` (see the class)."""
 
 
 def _json_call_at(text: str, at: int, name: str | None = None):

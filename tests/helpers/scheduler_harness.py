@@ -274,6 +274,19 @@ class Run:
     steps: int
 
 
+def add_arrivals(sched: Scheduler, specs: list[Spec], step: int, requests: dict[str, Request],
+                 rejected: list[str]) -> None:
+    """Add the specs arriving at `step`: accepted ones into `requests`, the ones that can never fit to `rejected`."""
+    for spec in specs:
+        if spec.arrival_step == step:
+            request = spec.build()
+            try:
+                sched.add(request)
+                requests[spec.rid] = request
+            except ValueError:
+                rejected.append(spec.rid)
+
+
 def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]] | None = None,
         max_steps: int = 5000) -> Run:
     """Drive scheduler + fake worker to completion, checking the plan and all invariants every step."""
@@ -287,14 +300,7 @@ def run(config: SchedulerConfig, specs: list[Spec], aborts: dict[int, list[str]]
     step = 0
     while step <= last_arrival or sched.has_unfinished():
         assert step < max_steps, "workload did not finish: livelock or starvation"
-        for spec in specs:
-            if spec.arrival_step == step:
-                request = spec.build()
-                try:
-                    sched.add(request)
-                    requests[spec.rid] = request
-                except ValueError:
-                    rejected.append(spec.rid)
+        add_arrivals(sched, specs, step, requests, rejected)
         for rid in aborts.get(step, []):
             status = requests[rid].status if rid in requests else None
             aborted = sched.abort(rid)

@@ -19,6 +19,7 @@ from helpers.scheduler_harness import (
     FakeWorker,
     Run,
     Spec,
+    add_arrivals,
     advance,
     check_plan,
     config,
@@ -470,14 +471,7 @@ def run_planning_ahead(cfg: SchedulerConfig, specs: list[Spec], max_steps: int =
     last_arrival = max(s.arrival_step for s in specs)
     while step <= last_arrival or sched.has_unfinished() or in_flight is not None:
         assert step < max_steps, "workload did not finish: livelock or starvation"
-        for spec in specs:
-            if spec.arrival_step == step:
-                request = spec.build()
-                try:
-                    sched.add(request)
-                    requests[spec.rid] = request
-                except ValueError:
-                    pass
+        add_arrivals(sched, specs, step, requests, [])
         if in_flight is not None and sched.can_schedule_ahead():
             out = sched.schedule(ahead=True)
             ahead += 1
