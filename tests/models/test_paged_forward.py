@@ -94,13 +94,17 @@ def test_float32_model_over_bfloat16_cache():
     """A bf16 KV cache under a float32 model: the default CPU impl (the native kernel, f32 queries over
     bf16 pages) gives the reference path's float32 logits on the same bf16 cache."""
     assert default_attention("cpu", np.float32, jnp.bfloat16) == "native"
-    rng = np.random.default_rng()
-    model = random_model(CFG, seed=int(rng.integers(1 << 30)))
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    model = random_model(CFG, seed=seed)
     prompts = [rng.integers(0, 128, n).tolist() for n in (3, 14)]
     ref = paged_greedy(model, prompts, 4, block_size=BLOCK, attention_impl="reference", kv_dtype=jnp.bfloat16)
     got = paged_greedy(model, prompts, 4, block_size=BLOCK, kv_dtype=jnp.bfloat16)
+    # Typically 2e-7 apart; where the two paths' float32 K/V round to neighbouring bf16 values (a one-ulp
+    # flip, 2^-8 relative, in one element of the cache), that flip carries on into the later layers: up to
+    # 2.5e-5 seen in CI.
     for a, b in zip(got.prompt_logits + got.step_logits, ref.prompt_logits + ref.step_logits):
-        assert a.dtype == np.float32 and rel_err(a, b) < 1e-5
+        assert a.dtype == np.float32 and rel_err(a, b) < 1e-4, f"seed {seed}"
     assert got.tokens == ref.tokens
 
 
