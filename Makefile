@@ -38,7 +38,8 @@ JAX011 = jax==0.11.2 jaxlib==0.11.2 "jax[tpu]==0.11.2"
 JAX011_TESTS ?= tests/pallas_kernels/test_kernels.py tests/pallas_kernels/test_native_kernel.py \
 	tests/pallas_kernels/test_native_matmul.py tests/pallas_kernels/test_cuda_lowering.py \
 	tests/pallas_kernels/test_tpu_kernel.py tests/pallas_kernels/test_jax_triton_call.py \
-	tests/models/test_paged_forward.py tests/models/test_models.py tests/scripts/test_aot_compile.py
+	tests/models/test_paged_forward.py tests/models/test_models.py tests/scripts/test_aot_compile.py \
+	tests/pallas_kernels/test_native_quantized_matmul.py tests/pallas_kernels/test_kv_quantized.py
 
 $(VENV_JAX011)/bin/python:
 	$(PYTHON312) -m venv $(VENV_JAX011)

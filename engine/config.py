@@ -3,6 +3,8 @@
 import dataclasses
 
 from engine.core.scheduler import PREEMPTION_MODES
+from models.quantization import GROUP_SIZES, QUANTIZATIONS
+from pallas_kernels.kv_quant import resolve_kv_dtype
 
 WARMUP_MODES = ("full", "lazy", "none")
 TASKS = ("generate", "embed")
@@ -21,7 +23,12 @@ class EngineConfig:
     watermark_blocks: int = 0
     preemption_mode: str = "swap"          # or "recompute"
     num_host_blocks: int | None = None     # swap space; None: as many as device blocks
-    kv_dtype: str | None = None            # None: the model's dtype
+    kv_dtype: str | None = None            # None: the model's dtype; a float dtype, or "int8" / "fp8"
+                                           # (float8_e4m3fn): quantized, a float32 scale per token and KV head
+                                           # (pallas_kernels/kv_quant.py)
+    quantization: str | None = None        # quantize a float checkpoint's linears on load: int8, int4 or fp8
+                                           # (weight-only; models/quantization.py)
+    quantization_group_size: int = 128     # int4's rows of K per scale
     attention_impl: str | None = None      # None: by the devices' platform (pallas_kernels/kernels.py)
     dtype: str | None = None               # model dtype when loading from a path
     seed: int = 0                          # draws the seeds of requests that give none
@@ -48,6 +55,13 @@ class EngineConfig:
             raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, not {self.warmup!r}")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, not {self.task!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
+        if self.quantization_group_size not in GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {', '.join(map(str, GROUP_SIZES))}, not "
+                             f"{self.quantization_group_size!r}")
+        if self.kv_dtype is not None:
+            resolve_kv_dtype(self.kv_dtype)  # ValueError naming the choices
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, not {self.cpu_kv_cache_gib}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",

@@ -150,6 +150,13 @@ class DataParallelEngine:
         total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / max(total["prefix_cache_queries"], 1)
         return total | {"replicas": per_replica}
 
+    @property
+    def memory(self) -> dict:
+        """Every replica's weights and KV cache (LLMEngine.memory) together; the KV bytes a token, one replica's."""
+        first = self.replicas[0].memory
+        return {key: first[key] if key == "kv_bytes_per_token" else sum(r.memory[key] for r in self.replicas)
+                for key in first}
+
     def last_step_trace(self) -> list:
         return [entry for r in self.replicas for entry in r.last_step_trace()]
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from engine.config import EngineConfig
@@ -34,14 +35,16 @@ from engine.worker.compilation import CompileCounter
 from engine.worker.kv_cache import kv_bytes_per_block, num_blocks_for_memory
 from engine.worker.model_runner import AsyncModelRunnerOutput, DeviceStateLost, ModelRunner
 from engine.worker.multihost import agree_min
-from models.loading import LoadedModel, load_model, unstack_layers
+from models.loading import LoadedModel, load_model, quantize_model, unstack_layers
 from models.mesh import engine_devices, loading_device, make_mesh
 from models.paged import kv_cache_groups
+from models.quantization import weight_bytes
 from models.sharding import shard_model
 from models.tokenizers.load import load_tokenizer
 from models.tokenizers.tokenizer import Tokenizer
 from models.transformer import pack_kernels, packs_kernels
 from pallas_kernels.kernels import Kernels
+from pallas_kernels.kv_quant import resolve_kv_dtype
 
 log = logging.getLogger("ferry")
 
@@ -124,8 +127,11 @@ class LLMEngine:
         if isinstance(model, str):
             with jax.default_device(loading_device(mesh)):
                 model = load_model(model, config.dtype)
+        if config.quantization is not None:
+            with jax.default_device(loading_device(mesh)):
+                model = quantize_model(model, config.quantization, config.quantization_group_size)
         model = shard_model(model, mesh)
-        kv_dtype = config.kv_dtype or model.dtype
+        kv_dtype = resolve_kv_dtype(config.kv_dtype) if config.kv_dtype else jnp.dtype(model.dtype)
         # What the steps run, from the platform of the devices they are compiled for
         kernels = Kernels.for_mesh(mesh, model.dtype, kv_dtype, config.attention_impl)
         if not config.scan_layers:
@@ -179,10 +185,18 @@ class LLMEngine:
         compiled, loaded = counter.count, counter.cache_hits
         warmup_s = self.warmup(background=True) if config.warmup == "lazy" else (
             self.warmup() if config.warmup == "full" else 0.0)
-        kv_gib = num_blocks * kv_bytes_per_block(model.cfg, config.block_size, kv_dtype, page_dims) / 2**30
-        log.info("start-up took %.1f s: model %.1f s; KV cache %.1f s (%d blocks, %.2f GiB); warm-up=%s %.1f s "
-                 "(%d programs compiled, %d loaded from the persistent compilation cache)",
-                 time.perf_counter() - started, load_s, cache_s, num_blocks, kv_gib, config.warmup, warmup_s,
+        block_bytes = kv_bytes_per_block(model.cfg, config.block_size, kv_dtype, page_dims)
+        # What the weights and the KV cache take, as stored (quantized weights packed; a quantized KV row's
+        # scale): the log line, /metrics
+        self.memory = {"weight_bytes": weight_bytes(model.state), "kv_cache_bytes": num_blocks * block_bytes,
+                       "kv_bytes_per_token": block_bytes // config.block_size}
+        log.info("start-up took %.1f s: model %.1f s (weights %.1f MiB%s); KV cache %.1f s (%d blocks, %.2f GiB, "
+                 "%s, %d bytes a token); warm-up=%s %.1f s (%d programs compiled, %d loaded from the persistent "
+                 "compilation cache)",
+                 time.perf_counter() - started, load_s, self.memory["weight_bytes"] / 2**20,
+                 f", {config.quantization}" if config.quantization else "", cache_s, num_blocks,
+                 self.memory["kv_cache_bytes"] / 2**30, kv_dtype.name, self.memory["kv_bytes_per_token"],
+                 config.warmup, warmup_s,
                  # jax reports a compile event for a program read from the cache too
                  counter.count - compiled - (counter.cache_hits - loaded), counter.cache_hits - loaded)
 

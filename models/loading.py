@@ -22,7 +22,8 @@ from models.checkpoints.tensors import (
 )
 from models.config import ConfigError, ModelConfig
 from models.hub import resolve_model_name
-from models.transformer import Transformer
+from models.quantization import is_quantized
+from models.transformer import Transformer, quantize_kernels
 
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -40,7 +41,7 @@ class LoadedModel:
 
     @property
     def dtype(self):
-        return self.params()["embed_tokens"]["embedding"].dtype
+        return self.params()["norm"]["weight"].dtype  # the embedding may be quantized
 
     def params(self) -> dict:
         return nnx.to_pure_dict(self.state)
@@ -99,13 +100,21 @@ def model_from_checkpoint(checkpoint: Checkpoint, dtype=None) -> LoadedModel:
         if tuple(host.shape) != tuple(want):
             raise ConfigError(f"{where}: tensor {hf_name!r} has shape {list(host.shape)}, but "
                               f"{config_source} implies {list(want)}")
+        if is_quantized(host):  # kept packed; a quantized embedding is held as the tied head's [D, V] kernel
+            transpose = transpose or name == "embed_tokens.embedding"
         for part, value in unfuse_projections({name: host.T if transpose else host}, cfg).items():
-            arrays[part] = jnp.asarray(value, dtype=dtype)  # casts on the way
+            arrays[part] = (value if is_quantized(value)
+                            else jnp.asarray(value, dtype=dtype))  # casts on the way
     missing = sorted(set(expected) - set(arrays))
     if missing:
         raise ConfigError(f"{path}: checkpoint lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     state = fill_state(graphdef, abstract, fuse_projections(arrays))
     return LoadedModel(cfg, graphdef, state, checkpoint.max_model_len, path)
+
+
+def quantize_model(model: LoadedModel, method: str, group_size: int | None = None) -> LoadedModel:
+    """The model with its linears (and LM head) quantized weight-only on load: --quantization."""
+    return dataclasses.replace(model, state=quantize_kernels(model.graphdef, model.state, method, group_size))
 
 
 def read_checkpoint(path: str) -> Checkpoint:

@@ -5,6 +5,7 @@ cannot see into, so `Attention` runs them per shard under `jax.shard_map` (see `
 """
 
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -16,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 from models.loading import abstract_model
 from models.mesh import MODEL_AXIS, fuse_columns, fused_groups, split_columns
 from models.transformer import fused_projection_widths, qkv_widths
+
+QUANTIZED_LEAVES = ("values", "scales", "offsets")  # models/quantization.py QuantizedWeight's fields
 
 log = logging.getLogger("ferry")
 
@@ -42,6 +45,10 @@ def check_tensor_parallel(cfg, tp: int) -> None:
 def param_spec(name: str, shape: tuple[int, ...], tp: int) -> P:
     """The PartitionSpec of parameter `name` (dotted, e.g. "layers.mlp.up_proj.kernel"); replicated
     where no rule applies or the split axis does not divide evenly (logged)."""
+    base, _, leaf = name.rpartition(".")
+    if leaf in QUANTIZED_LEAVES:  # a QuantizedWeight's values, scales, offsets: split as its kernel
+        # (row-parallel scales by groups); a quantized embedding is the tied head's [D, V] kernel
+        name = "lm_head.kernel" if base == "embed_tokens.embedding" else base
     axis = next((a for suffix, a in _SPLIT_AXIS.items() if name.endswith(suffix)), None)
     if axis is None or tp == 1:
         return P()
@@ -51,6 +58,14 @@ def param_spec(name: str, shape: tuple[int, ...], tp: int) -> P:
     spec = [None] * len(shape)
     spec[axis] = MODEL_AXIS
     return P(*spec)
+
+
+def _repeat_kv_columns(value, cfg, repeats: int):
+    """A q/k/v projection's columns (kernel, bias, or a QuantizedWeight's leaf) with each KV head's repeated."""
+    q, k, v = split_columns(value, qkv_widths(cfg), 1)
+    k, v = (jnp.repeat(x.reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim), repeats, axis=-2)
+            .reshape(*x.shape[:-1], -1) for x in (k, v))
+    return fuse_columns([q, k, v], 1)
 
 
 def replicate_kv_heads(model, tp: int):
@@ -65,10 +80,7 @@ def replicate_kv_heads(model, tp: int):
     params = model.params()
     qkv = params["layers"]["self_attn"]["qkv_proj"]
     for leaf, value in qkv.items():  # kernel [L, hidden, (Hq + 2 Hkv) * D], bias [L, (Hq + 2 Hkv) * D]
-        q, k, v = split_columns(value, qkv_widths(cfg), 1)
-        k, v = (jnp.repeat(x.reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim), repeats, axis=-2)
-                .reshape(*x.shape[:-1], -1) for x in (k, v))
-        qkv[leaf] = fuse_columns([q, k, v], 1)
+        qkv[leaf] = jax.tree.map(functools.partial(_repeat_kv_columns, cfg=cfg, repeats=repeats), value)
     if cfg.qk_norm_all_heads:  # OLMo 2's k_norm over all KV heads: each head's weights repeated with it (every head
         # repeated alike, the mean square over the repeats is the original's)
         k_norm = params["layers"]["self_attn"]["k_norm"]
@@ -91,7 +103,8 @@ def group_fused_projections(model, tp: int):
     for module, proj, widths in fused_projection_widths(model.cfg):
         groups = fused_groups(widths, tp)
         for leaf, value in layers[module][proj].items():
-            layers[module][proj][leaf] = fuse_columns(split_columns(value, widths, 1), groups)
+            layers[module][proj][leaf] = jax.tree.map(  # a QuantizedWeight's leaves alike
+                lambda a, widths=widths, groups=groups: fuse_columns(split_columns(a, widths, 1), groups), value)
     state = jax.tree.map(lambda leaf: leaf, model.state)  # a new State: `model` may serve other engines
     nnx.replace_by_pure_dict(state, params)
     return dataclasses.replace(model, state=state)
@@ -106,7 +119,7 @@ def shard_model(model, mesh: Mesh):
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
 
     def place(path, leaf):
-        name = ".".join(str(getattr(k, "key", k)) for k in path)
+        name = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         return jax.device_put(leaf, NamedSharding(mesh, param_spec(name, leaf.shape, tp)))
 
     placed = jax.tree_util.tree_unflatten(jax.tree.structure(params), [place(p, leaf) for p, leaf in flat])

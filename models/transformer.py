@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from models.config import ModelConfig, Rope
 from models.mesh import HEADS_SPEC, KV_POOL_SPEC, MODEL_AXIS, fused_groups, model_axis_size, split_columns
 from models.paged import AttentionMetadata, KVCache, kv_cache_groups, layer_pool
+from models.quantization import is_quantized, quantize, quantized_embedding, quantized_matmul
 from pallas_kernels import ops
 from pallas_kernels.attention import write_kv_and_attend
 from pallas_kernels.kernels import Kernels
@@ -92,18 +93,20 @@ class Linear(nnx.Linear):
     column_groups = 1  # the kernel's equal column parts (a fused [gate | up]: 2), each packed apart
 
     def __call__(self, x, ctx: ForwardContext):
-        kernel = self.kernel[...]
-        if kernel.ndim == 2:
-            y = ops.matmul(x.astype(self.dtype), kernel, ctx.kernels)
-        else:  # float32 sums, rounded once to the model's dtype as `ops.matmul` does
+        kernel = self.kernel.get_value()
+        if kernel.ndim == ops.PACKED_RANK:  # float32 sums, rounded once to the model's dtype as `ops.matmul` does
             y = self.packed_matmul(x, ctx).astype(self.dtype)
+        elif is_quantized(kernel):
+            y = quantized_matmul(x.astype(self.dtype), kernel).astype(self.dtype)
+        else:
+            y = ops.matmul(x.astype(self.dtype), kernel, ctx.kernels)
         return y if self.bias is None else y + self.bias[...]
 
     @property
     def packed_sums(self) -> bool:
         """Whether packed_matmul's float32 sums are this layer's output before its rounding (a packed kernel,
         no bias): what a native epilogue (the MLP's gate, the residual add) can take straight."""
-        return self.kernel[...].ndim == ops.PACKED_RANK and self.bias is None
+        return self.kernel.get_value().ndim == ops.PACKED_RANK and self.bias is None
 
     def float32_out(self, x, ctx: ForwardContext):
         """self(x).astype(float32): the LM head's logits, a residual branch for RMSNorm's add. A packed
@@ -117,7 +120,7 @@ class Linear(nnx.Linear):
         """The packed matmul of x over this kernel: the context's layer of the stack (the head, a stack of one: 0),
         its real rows."""
         layer = ctx.layer if ctx.packed else 0
-        return ops.packed_matmul(x.astype(self.dtype), self.kernel[...], layer, n=self.out_features,
+        return ops.packed_matmul(x.astype(self.dtype), self.kernel.get_value(), layer, n=self.out_features,
                                  groups=self.column_groups, rows=ctx.rows, **kwargs)
 
 
@@ -136,24 +139,73 @@ def packs_kernels(kernels: Kernels, dtype, tensor_parallel_size: int) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
-def pack_kernels(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
-    """A scanned model's state with its layers' linear kernels [L, K, N] and its untied LM head [K, N]
-    (as a stack of one) replaced by their packed form (ops.pack_stacked), which only the packed
-    matmul reads: call it where packs_kernels holds. `state` itself is left as it was (it may
-    serve other engines); the kernels are packed one at a time, and already packed ones kept."""
-    groups = {path + ("kernel",): module.column_groups
-              for path, module in nnx.iter_modules(nnx.merge(graphdef, state))
-              if isinstance(module, Linear) and path[:1] in (("layers",), ("lm_head",))}
-    pack = jax.jit(ops.pack_stacked, static_argnums=1)
+def _linear_kernels(graphdef: nnx.GraphDef, state: nnx.State) -> dict[tuple, int]:
+    """{path of a kernel: its column groups} for the scanned layers' linears and the LM head: the untied head's
+    kernel, or the tied embedding where it is quantized (held as the head's [D, V] kernel, QuantizedWeight)."""
+    model = nnx.merge(graphdef, state)
+    kernels = {path + ("kernel",): module.column_groups for path, module in nnx.iter_modules(model)
+               if isinstance(module, Linear) and path[:1] in (("layers",), ("lm_head",))}
+    if model.cfg.tie_word_embeddings and is_quantized(model.embed_tokens.embedding.get_value()):
+        kernels["embed_tokens", "embedding"] = 1
+    return kernels
 
-    def packed(path, leaf):
+
+def _map_kernels(graphdef, state, fn) -> nnx.State:
+    """`state` with fn(kernel, groups, stacked) in place of each of _linear_kernels' kernels."""
+    kernels = _linear_kernels(graphdef, state)
+
+    def mapped(path, leaf):
         names = tuple(getattr(key, "key", getattr(key, "name", None)) for key in path)
         names = names[:-1] if names[-1] == "value" else names
-        if names not in groups or leaf.ndim != (3 if names[0] == "layers" else 2):
-            return leaf
-        return pack(leaf if names[0] == "layers" else leaf[None], groups[names])
+        return leaf if names not in kernels else fn(leaf, kernels[names], names[0] == "layers")
 
-    return jax.tree_util.tree_map_with_path(packed, state)
+    return jax.tree_util.tree_map_with_path(mapped, state, is_leaf=is_quantized)
+
+
+def pack_kernels(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
+    """A scanned model's state with its layers' linear kernels [L, K, N] and its LM head [K, N] (as a stack
+    of one; quantized: the tied embedding too) replaced by their packed form (ops.pack_stacked), which only
+    the packed matmul reads: call it where packs_kernels holds. `state` itself is left as it was (it may
+    serve other engines); the kernels are packed one at a time, and already packed ones kept. fp8 kernels,
+    which the native matmul does not read, stay as they are."""
+    pack = jax.jit(ops.pack_stacked, static_argnums=1)
+
+    def packed(leaf, groups, stacked):
+        if leaf.ndim != (3 if stacked else 2) or (
+                is_quantized(leaf) and jnp.dtype(leaf.values.dtype) == jnp.float8_e4m3fn):
+            return leaf
+        return pack(leaf if stacked else jax.tree.map(lambda a: a[None], leaf), groups)
+
+    return _map_kernels(graphdef, state, packed)
+
+
+# The LM head (a tied embedding with it) is quantized to int8 per channel under every method, as llama.cpp's
+# 4-bit files keep token_embd and output at 6 or 8 bits: SmolLM2's held-out perplexity rises by 60% with an
+# int4 head (scripts/eval_tasks.py; docs/models.md).
+HEAD_QUANTIZATION = "int8"
+
+
+def quantize_kernels(graphdef: nnx.GraphDef, state: nnx.State, method: str, group_size: int | None = None):
+    """A model's state with its layers' linear kernels quantized weight-only (models/quantization.py `quantize`:
+    int8, int4 or fp8; a stack's scales per layer), and its LM head (the tied embedding, held as the head's
+    [D, V] kernel) to HEAD_QUANTIZATION. A kernel already quantized (a GGUF's) is an error: it is not
+    quantized twice."""
+    tied = nnx.merge(graphdef, state).cfg.tie_word_embeddings
+
+    def quantized(path, leaf):
+        names = tuple(getattr(key, "key", getattr(key, "name", None)) for key in path)
+        names = names[:-1] if names[-1] == "value" else names
+        head = names == ("embed_tokens", "embedding")
+        if not ((names[0] == "layers" or names[0] == "lm_head") and names[-1] == "kernel" or head and tied):
+            return leaf
+        if is_quantized(leaf):
+            raise ValueError(f"quantization={method!r}: the checkpoint's {'.'.join(map(str, names))} is "
+                             f"quantized already ({leaf.describe()}); leave quantization unset")
+        if head or names[0] == "lm_head":  # int8 per channel whatever the method: see HEAD_QUANTIZATION
+            return quantize(leaf.T if head else leaf, HEAD_QUANTIZATION)
+        return quantize(leaf, method, group_size, stacked=leaf.ndim == 3)  # the scanned stack: per layer
+
+    return jax.tree_util.tree_map_with_path(quantized, state, is_leaf=is_quantized)
 
 
 def _is_kernel(path, _value) -> bool:
@@ -162,7 +214,7 @@ def _is_kernel(path, _value) -> bool:
 
 def layer_kernels_packed(layers) -> bool:
     """Whether a Transformer's layers hold packed kernels (pack_kernels)."""
-    return not isinstance(layers, nnx.List) and layers.mlp.down_proj.kernel[...].ndim == ops.PACKED_RANK
+    return not isinstance(layers, nnx.List) and layers.mlp.down_proj.kernel.get_value().ndim == ops.PACKED_RANK
 
 
 def rope_cos_sin(inv_freq, positions, dtype, attention_factor: float = 1.0):
@@ -399,7 +451,7 @@ class Transformer(nnx.Module):
         `hidden_states` (pooling, for embeddings): the final norm's output of every token row [T, hidden] instead
         of logits, the LM head skipped (`logits_indices` is then unused)."""
         cfg = self.cfg
-        x = self.embed_tokens(token_ids)
+        x = self.embed(token_ids)
         if cfg.scale_embeddings:
             x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
         if cfg.embedding_multiplier != 1.0:
@@ -441,8 +493,14 @@ class Transformer(nnx.Module):
             return self.norm(x, ctx), new_cache
         # Only the rows we sample from (RMSNorm is per token): the last layer kept only them, or select them.
         x = self.norm(x if last_step is not None else x[logits_indices], ctx)
-        if cfg.tie_word_embeddings:
-            logits = ops.matmul(x.astype(self.dtype), self.embed_tokens.embedding[...], kernels, transpose_w=True)
+        table = self.embed_tokens.embedding.get_value()
+        if cfg.tie_word_embeddings and table.ndim == ops.PACKED_RANK:  # quantized, packed: as Linear.float32_out
+            logits = ops.packed_matmul(x.astype(self.dtype), table, 0, n=cfg.vocab_size, rows=logits_rows,
+                                       round_to=self.dtype)
+        elif cfg.tie_word_embeddings and is_quantized(table):  # the head's [D, V] kernel
+            logits = quantized_matmul(x.astype(self.dtype), table).astype(self.dtype)
+        elif cfg.tie_word_embeddings:
+            logits = ops.matmul(x.astype(self.dtype), table, kernels, transpose_w=True)
         else:
             logits = self.lm_head.float32_out(x, ctx.with_rows(logits_rows))
         if model_axis_size() > 1:
@@ -456,6 +514,16 @@ class Transformer(nnx.Module):
         if cfg.final_logit_softcap:
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
         return logits, new_cache
+
+    def embed(self, token_ids):
+        """The token embeddings [T, hidden]; a quantized table (the tied head's [D, V] kernel, maybe packed)
+        dequantized row by row."""
+        table = self.embed_tokens.embedding.get_value()
+        if table.ndim == ops.PACKED_RANK:
+            return ops.packed_columns(table, token_ids, self.cfg.hidden_size).astype(self.dtype)
+        if is_quantized(table):
+            return quantized_embedding(table, token_ids).astype(self.dtype)
+        return self.embed_tokens(token_ids)
 
     def scan_layers(self, fn, carry, ctx: ForwardContext, last=None):
         """`carry` through every layer in order, one traced layer (jax.lax.scan): fn(layer, carry, layer_ctx)

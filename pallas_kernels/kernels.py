@@ -8,6 +8,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import page_dim
 from pallas_kernels.native import library
 from pallas_kernels.native.ops import supports as native_supports
 from pallas_kernels.tpu.layout import page_head_dim, page_kv_heads
@@ -31,10 +32,13 @@ class Kernels:
         """(KV heads, head dim) of the KV cache's pages, over `shards` tensor-parallel shards. For the TPU kernel,
         padded (zeros in the padding): head_dim to whole 128-lane tiles, which its DMAs move, and each shard's
         heads to the dtype's sublane packing (2 for 16-bit types: XLA lays out an odd count of 16-bit heads
-        unpacked, and the kernel's custom call would copy the whole pool to repack it). Elsewhere the model's."""
+        unpacked, and the kernel's custom call would copy the whole pool to repack it). Elsewhere the model's.
+        A quantized dtype (int8, float8_e4m3fn) adds the row's float32 scale, 4 bytes after the values
+        (pallas_kernels/kv_quant.py), before the TPU's padding."""
+        dim = page_dim(head_dim, dtype)
         if self.attention not in TPU_IMPLS:
-            return num_kv_heads, head_dim
-        return shards * page_kv_heads(num_kv_heads // shards, dtype), page_head_dim(head_dim)
+            return num_kv_heads, dim
+        return shards * page_kv_heads(num_kv_heads // shards, dtype), page_head_dim(dim)
 
     def check_step_limits(self, num_seqs: int, table_width: int, num_tokens: int) -> None:
         """Raise a ValueError naming the flags to change where a step of these shapes cannot run (the TPU

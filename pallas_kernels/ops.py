@@ -3,7 +3,8 @@ kernel (pallas_kernels/native/ops.py) where `kernels.native` says so, else plain
 
   rms_norm       a decoder layer's RMSNorm (with `delta`: the residual add before it)
   matmul         x @ w in x's dtype (a float32 product, rounded once, for 16-bit floats on the CPU)
-  packed_matmul  x @ w[layer] of a weight stack packed for the native matmul (pack_stacked)
+  packed_matmul  x @ w[layer] of a weight stack packed for the native matmul (pack_stacked; float, or a
+                 QuantizedWeight of int8/int4/uint4 values: the float32 path's bits on the dequantized weights)
   write_kv       this step's K/V rows into the paged cache; write_blocks: whole blocks (a swap-in)
   gate_product   the MLP's act(gate) * up
 """
@@ -14,10 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kernels import Kernels
+from pallas_kernels.kv_quant import write_rows
 from pallas_kernels.native import ops as native
 
 PACKED_RANK = native.PACKED_RANK  # a packed stack's rank: how a parameter is known to be one
 pack_stacked = native.pack_stacked
+packed_columns = native.packed_columns  # a packed LM head's columns: the tied embedding's rows
 
 
 def rms_norm(x, weight, *, eps: float, offset: float, delta=None, native_kernel: bool = False):
@@ -63,14 +66,16 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping, kernels: Kernels):
     """Scatter this step's k/v [T, Hkv, D] into their slots. Under a donated cache XLA does it in place, but for
     XLA CPU, which copies the whole pool where its scatter is not in place (a 16-bit float scatter is widened to
     float32; a one-token step's scatter becomes a dynamic-update-slice behind a copy of the pool): there the
-    native write copies only the T rows, in place."""
+    native write copies only the T rows, in place. Quantized pages (int8, fp8) take the rows quantized, each with
+    its scale (kv_quant.write_rows): T rows of work, then the same row write."""
+    k, v = write_rows(k, k_pages.dtype), write_rows(v, v_pages.dtype)
     if kernels.native:
         return native.kv_write(k_pages, k, slot_mapping), native.kv_write(v_pages, v, slot_mapping)
     num_blocks, block_size = k_pages.shape[:2]
 
     def write(pages, new):
         flat = pages.reshape(num_blocks * block_size, *pages.shape[2:])
-        flat = flat.at[slot_mapping].set(new.astype(pages.dtype), mode="drop", unique_indices=False)
+        flat = flat.at[slot_mapping].set(new, mode="drop", unique_indices=False)
         return flat.reshape(pages.shape)
 
     return write(k_pages, k), write(v_pages, v)

@@ -14,19 +14,23 @@ keys at positions <= its own (causal) and, under a sliding window W > 0, to the 
 sliding_window: None (no window) or an int32 scalar, a Python int or a traced per-layer value: 0 = no window.
 Block-table entries wholly before a query's window may hold anything (the KV cache manager frees those
 blocks); kernels must not read them.
-Softmax runs in float32; the output has q's dtype.
+Softmax runs in float32; the output has q's dtype. Quantized pages (int8, float8_e4m3fn: each row the head's
+values then its float32 scale, pallas_kernels/kv_quant.py) are read as value * scale in float32.
 """
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import read_pages
+
 _MASKED = -1e30  # finite, so fully masked rows give exp() == 0 instead of NaN
 
 
 def _gather_pages(pages, block_table):
-    """[num_blocks, bs, H, D] gathered through one table row -> [W * bs, H, D]."""
+    """[num_blocks, bs, H, D] gathered through one table row -> [W * bs, H, D]; quantized pages
+    ([..., D + 4] int8 or float8_e4m3fn, pallas_kernels/kv_quant.py) dequantized to float32 [W * bs, H, D]."""
     gathered = pages[block_table]
-    return gathered.reshape(-1, *pages.shape[2:])
+    return read_pages(gathered.reshape(-1, *pages.shape[2:]))
 
 
 def _attend(q, k, v, key_mask, scale, soft_cap):

@@ -52,7 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--topology", default="v6e:1x1", help="chip:AxB[xC], e.g. v5e:1x1, v6e:2x2, v5p:2x2x1")
     p.add_argument("--tensor_parallel_size", type=int, default=None, help="default: every chip of the topology")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--kv_cache_dtype", default=None, help="default: --dtype")
+    p.add_argument("--kv_cache_dtype", default=None, help="default: --dtype; int8 / fp8: quantized")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"],
+                   help="weight-only quantized linears, as the engine's --quantization")
+    p.add_argument("--quantization_group_size", type=int, default=128)
     p.add_argument("--max_num_seqs", type=int, default=64)
     p.add_argument("--max_model_len", type=int, default=2048)
     p.add_argument("--max_num_batched_tokens", type=int, default=512)
@@ -86,20 +89,24 @@ def tpu_devices(topology: str, shape):
     return topo.devices
 
 
-def abstract_params(cfg, dtype, mesh, tp: int, scan: bool):
-    """graphdef and the state as ShapeDtypeStructs sharded on `mesh` as models/sharding.shard_model places them."""
+def abstract_params(cfg, dtype, mesh, tp: int, scan: bool, quantization=None, group_size=None):
+    """graphdef and the state as ShapeDtypeStructs sharded on `mesh` as models/sharding.shard_model places them;
+    with `quantization`, its linears quantized as the engine's --quantization makes them."""
     import jax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
     from jax.sharding import NamedSharding  # noqa: PLC0415
 
     from models.loading import abstract_model  # noqa: PLC0415
     from models.sharding import param_spec  # noqa: PLC0415
+    from models.transformer import quantize_kernels  # noqa: PLC0415
     graphdef, state = abstract_model(cfg, dtype, scan=scan)
+    if quantization:
+        state = jax.eval_shape(lambda s: quantize_kernels(graphdef, s, quantization, group_size), state)
     params = nnx.to_pure_dict(state)
     flat, tree = jax.tree_util.tree_flatten_with_path(params)
     placed = []
     for path, leaf in flat:
-        name = ".".join(str(getattr(k, "key", k)) for k in path)
+        name = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         placed.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                            sharding=NamedSharding(mesh, param_spec(name, leaf.shape, tp))))
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(tree, placed))
@@ -107,11 +114,12 @@ def abstract_params(cfg, dtype, mesh, tp: int, scan: bool):
 
 
 def shard_bytes(leaves) -> int:
-    """Bytes one device holds of these sharded ShapeDtypeStructs."""
+    """Bytes one device holds of these sharded ShapeDtypeStructs (4-bit values at half a byte)."""
+    from models.quantization import VALUE_BITS  # noqa: PLC0415
     total = 0
     for a in leaves:
         shard = a.sharding.shard_shape(a.shape)
-        total += math.prod(shard) * a.dtype.itemsize
+        total += math.prod(shard) * VALUE_BITS.get(a.dtype, a.dtype.itemsize * 8) // 8
     return total
 
 
@@ -127,13 +135,15 @@ def costs(compiled) -> dict:
     return {"flops": float(c.get("flops", 0.0)), "bytes_accessed": float(c.get("bytes accessed", 0.0))}
 
 
-def ideal_decode_bytes(cfg, num_seqs, context, dtype, kv_dtype, tp, vocab_shard, page_dims=None) -> float:
+def ideal_decode_bytes(cfg, num_seqs, context, dtype, kv_dtype, tp, vocab_shard, page_dims=None,
+                       weight_item=None) -> float:
     """Weights of one shard once (the embedding's gathered rows, unless tied), the live KV cache (at the model's
-    heads and head_dim, or at the pages' padded `page_dims`), the logits."""
+    heads and head_dim, or at the pages' padded `page_dims`), the logits. `weight_item`: a linear weight's
+    bytes (quantized: its values' and scales' share), default the dtype's."""
     import jax.numpy as jnp  # noqa: PLC0415
 
     from models.transformer import qkv_widths  # noqa: PLC0415
-    item = jnp.dtype(dtype).itemsize
+    item = weight_item or jnp.dtype(dtype).itemsize
     h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     per_layer = h * sum(qkv_widths(cfg)) + cfg.num_heads * cfg.head_dim * h + 3 * h * i
     weights = layers * per_layer / tp * item
@@ -151,6 +161,7 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
     from jax.sharding import NamedSharding  # noqa: PLC0415
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
@@ -159,9 +170,11 @@ def main(argv=None):
     from models.loading import read_checkpoint  # noqa: PLC0415
     from models.mesh import kv_cache_sharding, make_mesh  # noqa: PLC0415
     from models.paged import kv_cache_groups  # noqa: PLC0415
+    from models.quantization import is_quantized  # noqa: PLC0415
     from models.sharding import check_tensor_parallel  # noqa: PLC0415
     from models.transformer import StaticGraphDef  # noqa: PLC0415
     from pallas_kernels.kernels import Kernels  # noqa: PLC0415
+    from pallas_kernels.kv_quant import resolve_kv_dtype  # noqa: PLC0415
 
     devices = tpu_devices(args.topology, shape)
     tp = args.tensor_parallel_size or len(devices)
@@ -172,7 +185,7 @@ def main(argv=None):
         cfg = dataclasses.replace(cfg, num_kv_heads=tp)
     check_tensor_parallel(cfg, tp)
     dtype = jnp.dtype(args.dtype)
-    kv_dtype = jnp.dtype(args.kv_cache_dtype or args.dtype)
+    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype) if args.kv_cache_dtype else jnp.dtype(args.dtype)
     max_model_len = min(args.max_model_len, checkpoint.max_model_len)
     width = math.ceil(max_model_len / args.block_size)
     groups = kv_cache_groups(cfg)
@@ -191,18 +204,24 @@ def main(argv=None):
     cache = cache_spec(groups.num_slots)
     kv_spec = cache[0]
     fed = jax.ShapeDtypeStruct((buckets.decode_batch[-1],), jnp.int32, sharding=NamedSharding(mesh, P()))
-    graphdef, state = abstract_params(cfg, dtype, mesh, tp, scan=True)
+    quantized = dict(quantization=args.quantization, group_size=args.quantization_group_size)
+    graphdef, state = abstract_params(cfg, dtype, mesh, tp, scan=True, **quantized)
     graphdef = StaticGraphDef.of(graphdef)
     # the model cut to one and two layers, unrolled: the decode programs' costs (see the docstring); full attention
     # (one KV cache group) in both, whatever the model's windows
     unrolled = None if args.no_costs else [
         abstract_params(dataclasses.replace(cfg, num_layers=n, sliding_window=None, layer_types=()), dtype, mesh, tp,
-                        scan=False) for n in (1, 2)]
+                        scan=False, **quantized) for n in (1, 2)]
     weight_bytes = shard_bytes(jax.tree.leaves(state))
+    # a quantized linear weight's bytes, its scales' share included: the ideal step's
+    linears = [q for q in jax.tree.leaves(nnx.to_pure_dict(state)["layers"], is_leaf=is_quantized) if is_quantized(q)]
+    layer_item = linears and shard_bytes(jax.tree.leaves(linears)) / sum(
+        math.prod(q.values.sharding.shard_shape(q.values.shape)) for q in linears)
     kv_bytes = 2 * shard_bytes([kv_spec])
     print(f"{cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
           f"{cfg.num_kv_heads}x{cfg.head_dim}, vocab {cfg.vocab_size}; {args.topology} ({devices[0].device_kind}), "
-          f"TP {tp}; attention {kernels.attention}; KV pages [{', '.join(map(str, kv_spec.shape))}] {kv_dtype.name}; "
+          f"TP {tp}; weights {args.quantization or dtype.name}; attention {kernels.attention}; "
+          f"KV pages [{', '.join(map(str, kv_spec.shape))}] {kv_dtype.name}; "
           f"jax {jax.__version__}", flush=True)
 
     layouts = buckets.step_layouts()
@@ -253,7 +272,8 @@ def main(argv=None):
             if layout.decode:
                 vocab_shard = cfg.vocab_size
                 ideal = tuple(ideal_decode_bytes(cfg, layout.num_seqs, width * args.block_size, dtype, kv_dtype, tp,
-                                                 vocab_shard, dims) for dims in (None, kv_spec.shape[3:]))
+                                                 vocab_shard, dims, layer_item or None)
+                              for dims in (None, kv_spec.shape[3:]))
             run(name, lambda step=step: step(graphdef, state), cost_fn, ideal)
     for n in buckets.swap_blocks:
         ids = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=NamedSharding(mesh, P()))
@@ -268,6 +288,7 @@ def main(argv=None):
     largest_temp = max((r["temp_bytes"] for r in ok), default=0)
     need = weight_bytes + kv_bytes + largest_temp
     summary = {"model": args.model, "model_type": cfg.model_type, "topology": args.topology, "tp": tp,
+               "quantization": args.quantization,
                "device_kind": devices[0].device_kind, "attention": kernels.attention, "jax": jax.__version__,
                "kv_cache_shape": list(kv_spec.shape), "weights_bytes_per_device": weight_bytes,
                "kv_cache_bytes_per_device": kv_bytes, "largest_temp_bytes": largest_temp,

@@ -10,6 +10,18 @@ process (time_side_by_side's blocks). A call runs every layer of one linear, as 
 its one layer); ms is per layer, and GFLOP/s is 2 M K N over it. The paths sum each column in the same
 order: float32 x gives the same bits on every path (max_abs_diff against the first path; gated outputs
 may differ in the last bits between the AVX-512 gate and the others).
+
+--formats float32 bfloat16 int8 int4-g32 int4-g128 ... instead times the weight formats side by side on this
+CPU's own path (the quantized ones: models.quantization.QuantizedWeight packed by pack_stacked; intN-gG: groups
+of G rows of K with offsets, int8 per output channel without, uint4-gG as int4): ms per layer, the weight bytes
+a layer streams over that time (GB/s), and the speed-up over float32 at the same rows. --linears picks some
+of the linears. SmolLM2-135M's linears and Llama-3-8B's:
+
+    python scripts/bench_native_matmul.py --formats float32 bfloat16 int8 int4-g32 int4-g128 --rows 1 4 64 \
+        --hidden 576 --intermediate 1536 --q_heads 9 --kv_heads 3 --head_dim 64 --vocab 49152 --layers 30
+    python scripts/bench_native_matmul.py --formats float32 int8 int4-g32 int4-g128 --rows 1 4 64 \
+        --hidden 4096 --intermediate 14336 --q_heads 32 --kv_heads 8 --head_dim 128 --layers 2 \
+        --linears gate_up down
 """
 
 import argparse
@@ -46,6 +58,66 @@ def linears(args) -> dict[str, tuple[int, int, int, str | None]]:
             "lm_head": (args.hidden, args.vocab, 1, None)}
 
 
+def weight_stack(rng, fmt: str, num_layers: int, k: int, n: int):
+    """A random [L, K, N] stack in format `fmt` (float32, bfloat16, int8, int4-gG, uint4-gG): values over the
+    format's range (timing does not depend on them)."""
+    from models.quantization import QuantizedWeight  # noqa: PLC0415
+    if fmt in ("float32", "bfloat16"):
+        return jnp.asarray(rng.standard_normal((num_layers, k, n), np.float32) / np.sqrt(k), fmt)
+    kind, _, group = fmt.partition("-g")
+    group = int(group) if group else k
+    if k % group:
+        group = k
+    dtype, lo, hi = {"int8": (jnp.int8, -128, 128), "int4": (jnp.int4, -8, 8), "uint4": (jnp.uint4, 0, 16)}[kind]
+    values = jnp.asarray(rng.integers(lo, hi, (num_layers, k, n), dtype=np.int8 if kind != "uint4" else np.uint8))
+    scales = jnp.asarray(rng.uniform(1e-3, 1e-2, (num_layers, k // group, n)), jnp.float32)
+    offsets = None if kind == "int8" else jnp.asarray(rng.uniform(-1e-2, 1e-2, scales.shape), jnp.float32)
+    return QuantizedWeight(values.astype(dtype), scales, offsets)
+
+
+def packed_bytes(packed) -> int:
+    """Bytes of one layer of a packed stack (all its leaves)."""
+    return sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(packed))
+
+
+def formats_table(args, rng):
+    """--formats: the weight formats side by side on this CPU's own path."""
+    print(f"formats: {', '.join(args.formats)} ({library.cpu_flags() & {'avx512f', 'avx2'} or 'portable'}); "
+          f"ms per layer, median of {args.runs} calls; GB/s: a layer's packed weight bytes over its time")
+    print(f"{'rows':>5}  {'linear':<8} {'K':>6} {'N':>6}  {'format':<10} {'ms':>9} {'GB/s':>7} {'GFLOP/s':>8} "
+          f"{'vs f32':>7}")
+    results = []
+    for name, (k, n, num_layers, gated) in linears(args).items():
+        if args.linears and name not in args.linears:
+            continue
+        groups = 2 if gated else 1
+        steps, sizes = {}, {}
+        for fmt in args.formats:
+            packed = native.pack_stacked(weight_stack(rng, fmt, num_layers, k, n), groups)
+            sizes[fmt] = packed_bytes(packed)
+
+            def step(x, packed=packed, n=n, num_layers=num_layers, gated=gated, groups=groups):
+                return [native.stacked_matmul(x, packed, layer, n=n, groups=groups, gated=gated)
+                        for layer in range(num_layers)]
+            steps[fmt] = jax.jit(step)
+        for m in args.rows:
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+            fns = [on_path("default", steps[fmt]) for fmt in args.formats]
+            times = time_side_by_side(fns, (x,), warmup=args.warmup, runs=args.runs)
+            base = dict(zip(args.formats, times)).get("float32", (None,))[0]
+            for fmt, (median_ms, min_ms) in zip(args.formats, times):
+                per_layer = median_ms / num_layers
+                gb_per_s = sizes[fmt] / per_layer / 1e6
+                speedup = base / median_ms if base else float("nan")
+                print(f"{m:>5}  {name:<8} {k:>6} {n:>6}  {fmt:<10} {per_layer:>9.3f} {gb_per_s:>7.1f} "
+                      f"{2.0 * m * k * n / per_layer / 1e6:>8.1f} {speedup:>6.2f}x", flush=True)
+                results.append({"rows": m, "linear": name, "k": k, "n": n, "layers": num_layers, "format": fmt,
+                                "median_ms": per_layer, "min_ms": min_ms / num_layers, "bytes": sizes[fmt],
+                                "gb_per_s": gb_per_s, "speedup_vs_float32": speedup})
+        del steps
+    return results
+
+
 def on_path(name, fn):
     """fn with PATHS[name]'s switches set around each call."""
     def call(*a):
@@ -71,10 +143,23 @@ def main():
     parser.add_argument("--head_dim", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--formats", nargs="+",
+                        help="time these weight formats side by side instead (float32 bfloat16 int8 int4-g32 ...)")
+    parser.add_argument("--linears", nargs="+", choices=["qkv", "o", "gate_up", "down", "lm_head"],
+                        help="only these linears (--formats)")
     add_common_flags(parser, warmup=2, runs=12)
     args = parser.parse_args()
     if not library.available():
         raise SystemExit(f"native library unavailable: {library.unavailable_reason()}")
+    if args.formats:
+        results = formats_table(args, np.random.default_rng(args.seed))
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump({"config": vars(args), "cpu": platform.processor() or platform.machine(),
+                           "cpu_flags": sorted(f for f in library.cpu_flags() if f.startswith(("avx", "fma"))),
+                           "formats": results}, f, indent=1)
+            print(f"wrote {args.json_out}")
+        return
     dtype = jnp.dtype(args.dtype)
     paths = paths_here(library.cpu_flags())
     rng = np.random.default_rng(args.seed)

@@ -127,7 +127,7 @@ flags.DEFINE_integer("num_blocks", None, "EngineConfig.num_blocks (default: from
 flags.DEFINE_float("memory_fraction", 0.5, "EngineConfig.memory_fraction")
 flags.DEFINE_integer("chunk_size", None, "EngineConfig.chunk_size (prefill chunk cap)")
 flags.DEFINE_integer("max_model_len", None, "EngineConfig.max_model_len (default: the longest request)")
-flags.DEFINE_enum("kv_dtype", None, ["float32", "bfloat16", "float16"],
+flags.DEFINE_enum("kv_dtype", None, ["float32", "bfloat16", "float16", "int8", "fp8"],
                   "EngineConfig.kv_dtype (default: the model's dtype; bfloat16 under a float32 model halves the cache)")
 # transformers
 flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads; 0: all cores")

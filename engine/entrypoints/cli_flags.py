@@ -29,7 +29,9 @@ from engine.worker.multihost import DistributedConfig
 from models.checkpoints.gguf import GGUF_SUFFIX
 from models.hub import resolve_model_name
 from models.packaged import PACKAGED_MODELS
+from models.quantization import GROUP_SIZES, QUANTIZATIONS
 from pallas_kernels.kernels import ATTENTION_IMPLS
+from pallas_kernels.kv_quant import resolve_kv_dtype
 
 FLAGS = flags.FLAGS
 
@@ -96,7 +98,14 @@ def define_engine_flags():
                       "what a preempted sequence's KV does: swap to host memory or recompute later")
     flags.DEFINE_integer("num_host_blocks", d.num_host_blocks, "host blocks for swapping; unset: as many as "
                          "device blocks", lower_bound=0)
-    flags.DEFINE_string("kv_dtype", d.kv_dtype, "KV-cache dtype (e.g. bfloat16); unset: the model's")
+    flags.DEFINE_string("kv_dtype", d.kv_dtype, "KV-cache dtype: float32, bfloat16, float16, or int8 / fp8 "
+                        "(quantized, a float32 scale per token and KV head); unset: the model's")
+    flags.DEFINE_enum("quantization", d.quantization, QUANTIZATIONS,
+                      "quantize a float checkpoint's linears on load, weight-only (int8: per channel; int4: "
+                      "groups of --quantization_group_size with offsets; fp8: e4m3 per channel); unset: as "
+                      "stored (a GGUF's blocks stay quantized)")
+    flags.DEFINE_enum("quantization_group_size", str(d.quantization_group_size), list(map(str, GROUP_SIZES)),
+                      "int4's rows of K per scale")
     flags.DEFINE_enum("attention_impl", d.attention_impl, ATTENTION_IMPLS,
                       "paged attention implementation; unset: chosen by backend")
     flags.DEFINE_string("dtype", d.dtype, "dtype to load the weights in (e.g. bfloat16, float32); unset: "
@@ -185,9 +194,14 @@ def engine_config_from_flags() -> EngineConfig:
     """An EngineConfig from the engine flags; ValueError names the flag of a bad value."""
     values = {f.name: getattr(FLAGS, _ENGINE_FLAG_NAMES.get(f.name, f.name))
               for f in dataclasses.fields(EngineConfig)}
-    for name in ("dtype", "kv_dtype"):
-        if values[name] is not None:
-            _check_dtype(name, values[name])
+    if values["dtype"] is not None:
+        _check_dtype("dtype", values["dtype"])
+    if values["kv_dtype"] is not None:
+        try:
+            resolve_kv_dtype(values["kv_dtype"])
+        except ValueError as e:
+            raise ValueError(f"--kv_dtype={values['kv_dtype']}: {e}") from None
+    values["quantization_group_size"] = int(values["quantization_group_size"])
     return EngineConfig(**values)
 
 

@@ -60,6 +60,10 @@ class ServerMetrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Of those tokens, the ones found in the prefix cache.")
         self.prefix_cache_hit_rate = gauge("prefix_cache_hit_rate",
                                            "Prefix-cache hits / queries since start (1 = 100%).")
+        self._memory = {key: gauge(key, doc) for key, doc in (
+            ("weight_bytes", "Bytes the model's weights take as stored (quantized weights packed), all replicas."),
+            ("kv_cache_bytes", "Bytes of the device KV cache, all replicas."),
+            ("kv_bytes_per_token", "KV-cache bytes a token takes (every layer, K and V, scales included)."))}
         # Data parallel (engine/data_parallel.py): the gauges above are the replicas' totals; these split them.
         self._replica_gauges = {
             key: Gauge(PREFIX + "replica_" + name, doc, labels + ["replica"], registry=self.registry)
@@ -73,6 +77,11 @@ class ServerMetrics:
             self._preemptions.labels(model_name, mode)
         for reason in ("stop", "length", "abort", "error"):
             self._request_success.labels(model_name, reason)
+
+    def record_memory(self, memory: dict) -> None:
+        """The engine's memory accounting (LLMEngine.memory), once at start."""
+        for key, metric in self._memory.items():
+            metric.set(memory[key])
 
     def record_scheduler_stats(self, stats: dict) -> None:
         """Gauges from `Scheduler.stats()`; its cumulative preemption and prefix-cache counts become counter

@@ -115,6 +115,7 @@ class OpenAIServer:
                  on_fatal: Callable[[BaseException], None] | None = None):
         self.config = config
         self.metrics = ServerMetrics(config.served_model_name)
+        self.metrics.record_memory(engine.memory)
         self.engine_loop = EngineLoop(engine, self.metrics, config.log_interval_s, on_fatal)
         self.admission = AdmissionControl(config.max_waiting)
         # Read once here: afterwards only the engine thread touches the engine.

@@ -11,6 +11,7 @@ from engine.core.block_pool import NULL_BLOCK
 from models.config import ModelConfig
 from models.mesh import kv_cache_sharding
 from models.paged import KVCache, init_kv_cache, kv_cache_groups
+from pallas_kernels.kv_quant import page_dim
 from pallas_kernels.ops import write_blocks
 
 
@@ -36,8 +37,9 @@ def host_memory_sharding(mesh):
 
 def kv_bytes_per_block(cfg, block_size, dtype, page_dims: tuple[int, int] | None = None) -> int:
     """Bytes of one block id over the pool's slots (every layer, or every layer of a KV cache group), K and V,
-    with pages of `page_dims` (KV heads, head dim): default the model's; the TPU pads them (Kernels.kv_page_dims)."""
-    heads, dim = page_dims or (cfg.num_kv_heads, cfg.head_dim)
+    with pages of `page_dims` (KV heads, head dim): default the model's (a quantized dtype's rows with their
+    scale: pallas_kernels/kv_quant.py); the TPU pads them (Kernels.kv_page_dims)."""
+    heads, dim = page_dims or (cfg.num_kv_heads, page_dim(cfg.head_dim, dtype))
     return 2 * kv_cache_groups(cfg).num_slots * block_size * heads * dim * jnp.dtype(dtype).itemsize
 
 
@@ -74,8 +76,9 @@ class KVCacheStore:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh, swap_buckets: tuple[int, ...],
                  native_write: bool, page_dims: tuple[int, int] | None = None):
-        """`page_dims`: the pages' (KV heads, head dim) (Kernels.kv_page_dims; default the model's)."""
-        heads, dim = page_dims or (cfg.num_kv_heads, cfg.head_dim)
+        """`page_dims`: the pages' (KV heads, head dim) (Kernels.kv_page_dims; default the model's, with a
+        quantized dtype's scale)."""
+        heads, dim = page_dims or (cfg.num_kv_heads, page_dim(cfg.head_dim, dtype))
         self.device_sharding = kv_cache_sharding(mesh)
         # Committed to the devices from the start: every later cache (step or swap output) is too, so the jitted
         # step sees one input placement and compiles each shape once. Zeros made in place on each device: no full

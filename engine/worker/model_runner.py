@@ -32,6 +32,7 @@ from models.mesh import make_mesh
 from models.paged import kv_cache_groups
 from models.transformer import StaticGraphDef
 from pallas_kernels.kernels import Kernels
+from pallas_kernels.kv_quant import resolve_kv_dtype
 
 log = logging.getLogger("ferry")
 
@@ -94,10 +95,11 @@ class ModelRunner:
         self.buckets = Buckets.make(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size),
                                     kv_groups=kv_cache_groups(model.cfg).num_groups)
         kernels.check_step_limits(self.buckets.decode_batch[-1], self.buckets.width, self.buckets.prefill_tokens[-1])
-        self.kv = KVCacheStore(model.cfg, num_blocks, block_size, jnp.dtype(kv_dtype or model.dtype), self.mesh,
+        kv_dtype = jnp.dtype(model.dtype) if kv_dtype is None else resolve_kv_dtype(kv_dtype)  # "int8", "fp8" too
+        self.kv = KVCacheStore(model.cfg, num_blocks, block_size, kv_dtype, self.mesh,
                                self.buckets.swap_blocks, native_write=kernels.native and self.mesh.size == 1,
                                page_dims=kernels.kv_page_dims(model.cfg.num_kv_heads, model.cfg.head_dim,
-                                                              kv_dtype or model.dtype, self.mesh.size))
+                                                              kv_dtype, self.mesh.size))
         self.requests: dict[str, CachedRequestState] = {}  # the worker's requests, by id
         self.input_batch = InputBatch(self.requests, max_num_seqs, self.buckets.width * self.buckets.kv_groups,
                                       block_size, max_model_len)

@@ -1,9 +1,11 @@
 """GGUF checkpoints (llama.cpp's single-file format): weights and config, read with the `gguf` package.
 
 A GGUF holds llama.cpp-named tensors (`token_embd`, `blk.N.attn_q`, ...), possibly quantized, and the
-config and tokenizer as metadata (`llama.block_count`, `tokenizer.ggml.tokens`, ...). Here the tensors
-are dequantized (gguf.quants: F32, F16, BF16, Q4_0 ... Q8_0, the K-quants), renamed to Hugging Face names
-with llama.cpp's Q/K row permutation undone, and the metadata becomes a Hugging Face config dict; both
+config and tokenizer as metadata (`llama.block_count`, `tokenizer.ggml.tokens`, ...). Here the matrices of
+the common block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are repacked, not dequantized, into
+QuantizedWeights that give gguf.quants' float32 weights exactly (models/checkpoints/gguf_blocks.py); the other
+tensors are dequantized (gguf.quants: F32, F16, BF16, Q2_K, Q3_K, the IQ types); all are renamed to Hugging
+Face names with llama.cpp's Q/K row permutation undone, and the metadata becomes a Hugging Face config dict; both
 then take the same route as a safetensors checkpoint (models/checkpoints/tensors.Checkpoint, read by
 models/loading.py). The tokenizer is built in models/tokenizers/gguf.py.
 
@@ -13,15 +15,21 @@ models/loading.py). The tokenizer is built in models/tokenizers/gguf.py.
 import concurrent.futures
 import dataclasses
 import glob
+import logging
 import math
 import os
 import struct
 from typing import Any
 
+import jax
 import numpy as np
 
+from models.checkpoints import gguf_blocks
 from models.checkpoints.tensors import Checkpoint
 from models.config import ConfigError, from_hf_config
+from models.quantization import QuantizedWeight
+
+logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
 # general.architecture -> Ferry's model_type. llama.cpp writes Mistral and SmolLM as "llama".
@@ -116,6 +124,9 @@ def read_gguf(path: str) -> GGUFFile:
             raise ConfigError(f"{path}: tensor {name!r} has unknown GGML type {kind}") from None
         block, block_bytes = GGML_QUANT_SIZES[kind]
         shape = tuple(reversed(dims))  # GGUF lists dimensions innermost first
+        if shape[-1] % block:
+            raise ConfigError(f"{path}: tensor {name!r} of type {kind.name} has rows of {shape[-1]} elements, "
+                              f"not a multiple of its {block}-element blocks")
         row_bytes = shape[-1] // block * block_bytes
         count = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
         begin = start + offset
@@ -297,17 +308,40 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def dequantized_tensors(gguf: GGUFFile, hf: dict):
-    """(file, HF name, float32 numpy array [torch layout]) for every weight tensor, in file order.
+def checkpoint_tensors(gguf: GGUFFile, hf: dict, dequantize: bool = False):
+    """(file, HF name, tensor [torch layout]) for every weight tensor, in file order: a Linear's (or the
+    embedding's) matrix of a type gguf_blocks repacks as a QuantizedWeight (the transpose of Ferry's [in, out]
+    kernel: `qw.T`), unless `dequantize`; every other tensor a float32 numpy array (gguf.quants).
 
-    gguf.quants is numpy, which lets go of the GIL: tensors are dequantized on a thread per core."""
+    numpy lets go of the GIL: tensors are read on a thread per core."""
     arch = gguf.metadata["general.architecture"]
     weights = [t for t in gguf.tensors if t.name not in _ROPE_FACTOR_TENSORS]
     for tensor in weights:
         if hf_tensor_name(tensor.name, arch) is None:
             raise ConfigError(f"{gguf.path}: tensor {tensor.name!r} has no place in a {hf['model_type']} model")
+    _log_dequantized(gguf, arch, dequantize)
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
-        yield from pool.map(lambda tensor: _dequantize(gguf.path, tensor, hf, arch), weights)
+        yield from pool.map(lambda tensor: _read_tensor(gguf.path, tensor, hf, arch, dequantize), weights)
+
+
+def _packable(tensor: GGUFTensor, arch: str) -> bool:
+    """A matrix the model may hold quantized (a projection, the LM head, the embedding) of a repacked type."""
+    name = hf_tensor_name(tensor.name, arch) or ""
+    kernel = name.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))
+    return kernel and tensor.kind.name in gguf_blocks.REPACKED and len(tensor.shape) == 2
+
+
+def _log_dequantized(gguf: GGUFFile, arch: str, dequantize: bool):
+    """One log line for the quantized matrices read as float32: types not repacked, rows blocks do not divide."""
+    if dequantize:
+        return
+    floats = ("F32", "F16", "BF16", "F64")
+    kinds = sorted({f"{t.kind.name} {list(t.shape)}" if _packable(t, arch) else t.kind.name
+                    for t in gguf.tensors if len(t.shape) == 2 and t.kind.name not in floats
+                    and not (_packable(t, arch) and gguf_blocks.can_repack(t.kind.name, t.shape))})
+    if kinds:
+        logger.info("%s: quantized tensors of %s are dequantized to float32 (Ferry repacks %s)", gguf.path,
+                    ", ".join(kinds), ", ".join(gguf_blocks.REPACKED))
 
 
 def _dequantized(path: str, tensor: GGUFTensor) -> np.ndarray:
@@ -319,29 +353,38 @@ def _dequantized(path: str, tensor: GGUFTensor) -> np.ndarray:
         raise ConfigError(f"{path}: tensor {tensor.name!r}: {e}") from None
 
 
-def _dequantize(path: str, tensor: GGUFTensor, hf: dict, arch: str):
-    weight = _dequantized(path, tensor)
+def _read_tensor(path: str, tensor: GGUFTensor, hf: dict, arch: str, dequantize: bool):
+    if not dequantize and _packable(tensor, arch) and gguf_blocks.can_repack(tensor.kind.name, tensor.shape):
+        weight = QuantizedWeight(*gguf_blocks.repack(tensor.data, tensor.kind.name, tensor.shape))
+    else:
+        weight = _dequantized(path, tensor)
     role = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
     heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
-    if arch in _PERMUTED_QK and role in heads:
-        weight = unpermute_rows(weight, heads[role])
+    if arch in _PERMUTED_QK and role in heads:  # rows (outputs): values, scales and offsets alike
+        weight = jax.tree.map(lambda rows: unpermute_rows(rows, heads[role]), weight)
     if arch in _NORM_SHIFTED and tensor.name.endswith("norm.weight"):
         weight = weight - np.float32(1.0)
     return path, hf_tensor_name(tensor.name, arch), weight
 
 
-def default_dtype(gguf: GGUFFile) -> str:
-    """The checkpoint's own dtype where it has one (every matrix F16, or every one BF16), else float32."""
-    kinds = {t.kind.name for t in gguf.tensors if len(t.shape) > 1}
+def default_dtype(gguf: GGUFFile, dequantize: bool = True) -> str:
+    """The checkpoint's own float dtype where it has one (every float matrix F16, or every one BF16; with
+    `dequantize`, every matrix), else float32."""
+    arch = gguf.metadata.get("general.architecture")
+    kinds = {t.kind.name for t in gguf.tensors
+             if len(t.shape) > 1 and (dequantize or not (_packable(t, arch) and
+                                                          gguf_blocks.can_repack(t.kind.name, t.shape)))}
     return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(frozenset(kinds), "float32")
 
 
-def read_checkpoint(path: str) -> Checkpoint:
-    """A .gguf file's config and tensors, dequantized (to its own dtype unless the caller names one: default_dtype)."""
+def read_checkpoint(path: str, dequantize: bool = False) -> Checkpoint:
+    """A .gguf file's config and tensors: its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K matrices kept
+    packed (QuantizedWeight), the rest float (all of it with `dequantize`): the float tensors in the file's own
+    dtype unless the caller names one (default_dtype)."""
     gguf = read_gguf(path)
     rope_factors = {_ROPE_FACTOR_TENSORS[t.name]: _dequantized(path, t).reshape(-1)
                     for t in gguf.tensors if t.name in _ROPE_FACTOR_TENSORS}
     hf = hf_config(gguf.metadata, {t.name for t in gguf.tensors}, path, rope_factors)
     cfg = from_hf_config(hf, source=path)
-    return Checkpoint(cfg, default_dtype(gguf), dequantized_tensors(gguf, hf), cfg.max_context_len, path,
-                      f"{path}'s metadata")
+    return Checkpoint(cfg, default_dtype(gguf, dequantize), checkpoint_tensors(gguf, hf, dequantize),
+                      cfg.max_context_len, path, f"{path}'s metadata")

@@ -14,10 +14,10 @@ import itertools
 from collections.abc import Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import quantization
 from models.config import ModelConfig
 from models.transformer import FUSED_PROJECTIONS, fused_projection_widths
 
@@ -100,12 +100,12 @@ def fuse_projections(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
         for name in [n for n in arrays if first in n]:
             prefix, leaf = name.split(first)  # "layers.3", "kernel"
             tensors = [arrays.pop(f"{prefix}.{part}.{leaf}") for part in parts]
-            arrays[f"{prefix}.{fused}.{leaf}"] = jnp.concatenate(tensors, axis=-1)
+            arrays[f"{prefix}.{fused}.{leaf}"] = quantization.concatenate(tensors, axis=-1)
     return arrays
 
 
-def split_parts(tensor, widths: tuple[int, ...]) -> list[np.ndarray]:
-    return np.split(np.asarray(tensor), list(itertools.accumulate(widths))[:-1], axis=-1)
+def split_parts(tensor, widths: tuple[int, ...]) -> list:
+    return quantization.split(tensor, list(itertools.accumulate(widths))[:-1], axis=-1)
 
 
 def unfuse_projections(tensors: dict, cfg: ModelConfig, split=split_parts) -> dict:
@@ -129,7 +129,7 @@ def fill_state(graphdef, state, arrays: dict[str, jax.Array]) -> nnx.State:
     pure = nnx.to_pure_dict(state)
     for name, (path, leaf) in flat_paths(pure).items():
         if name.startswith("layers."):
-            value = jnp.stack([arrays.pop(layer_name(name, i)) for i in range(leaf.shape[0])])
+            value = quantization.stack([arrays.pop(layer_name(name, i)) for i in range(leaf.shape[0])])
         else:
             value = arrays.pop(name)
         set_path(pure, path, value)

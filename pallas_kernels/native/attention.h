@@ -141,6 +141,7 @@ FERRY_INLINE void Accumulate(float* __restrict acc, float alpha, const float* __
 
 struct Geometry {
   int64_t num_blocks, block_size, num_kv_heads, head_dim, num_q_heads, group, table_width;
+  int64_t page_dim;  // a page row's elements per kv head: head_dim, or head_dim + 4 for quantized pages
 };
 
 // One unit of work: `nrows` consecutive query rows of one sequence, all query heads of kv heads
@@ -185,7 +186,8 @@ Scratch& ThreadScratch() {
 // without it PrefillTileAvx2 and DecodeTileAvx2 (head_dim % 8 == 0).
 enum class TileKind { kVector, kPrefillAvx512, kDecodeAvx512, kPrefillAvx2, kDecodeAvx2 };
 
-// TQ: the element type of q and out; TKV: of the k/v pages (float or uint16_t = bfloat16).
+// TQ: the element type of q and out; TKV: of the k/v pages (float or uint16_t = bfloat16; int8_t or Fp8E4M3 for
+// quantized pages, each row its values then its float32 scale).
 template <typename TQ, typename TKV>
 struct Problem {
   const TQ* q;
@@ -218,6 +220,66 @@ FERRY_INLINE const float* PageRows(const uint16_t* page, int64_t n, int64_t row_
   }
   *stride_out = d;
   return buf;
+}
+
+// ----------------------------------------------------------------------------- quantized pages
+
+// int8 and float8_e4m3fn pages (EngineConfig.kv_dtype "int8" / "fp8", pallas_kernels/kv_quant.py): a row of
+// one kv head is its head_dim values, then its float32 scale's 4 bytes (native byte order): page_dim =
+// head_dim + 4. Read as value * scale in float32, widened into `buf` as bfloat16 pages are; only the vector
+// tiles take them (AttentionTiles).
+struct Fp8E4M3 {  // float8_e4m3fn, as its bits
+  uint8_t bits;
+};
+
+// float8_e4m3fn: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN.
+inline float Fp8E4M3ToF32(uint8_t b) {
+  const int exponent = (b >> 3) & 15, mantissa = b & 7;
+  float v;
+  if (exponent == 15 && mantissa == 7) v = std::numeric_limits<float>::quiet_NaN();
+  else if (exponent == 0) v = std::ldexp(static_cast<float>(mantissa), -9);  // subnormal: mantissa / 8 * 2^-6
+  else v = std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, exponent - 7);
+  return (b & 0x80) ? -v : v;
+}
+
+struct Fp8E4M3Table {
+  float value[256];
+  Fp8E4M3Table() {
+    for (int i = 0; i < 256; ++i) value[i] = Fp8E4M3ToF32(static_cast<uint8_t>(i));
+  }
+};
+
+inline const float* Fp8E4M3Values() {
+  static const Fp8E4M3Table table;
+  return table.value;
+}
+
+FERRY_INLINE float QuantizedToF32(int8_t x, const float*) { return static_cast<float>(x); }
+FERRY_INLINE float QuantizedToF32(Fp8E4M3 x, const float* fp8_values) { return fp8_values[x.bits]; }
+
+template <typename T>
+FERRY_INLINE const float* QuantizedPageRows(const T* page, int64_t n, int64_t row_stride, int64_t d,
+                                            float* buf, int64_t* stride_out) {
+  const float* fp8_values = Fp8E4M3Values();
+  for (int64_t t = 0; t < n; ++t) {
+    const T* src = page + t * row_stride;
+    float scale;
+    std::memcpy(&scale, src + d, sizeof(scale));
+    float* dst = buf + t * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = QuantizedToF32(src[i], fp8_values) * scale;
+  }
+  *stride_out = d;
+  return buf;
+}
+
+FERRY_INLINE const float* PageRows(const int8_t* page, int64_t n, int64_t row_stride, int64_t d, float* buf,
+                                   int64_t* stride_out) {
+  return QuantizedPageRows(page, n, row_stride, d, buf, stride_out);
+}
+
+FERRY_INLINE const float* PageRows(const Fp8E4M3* page, int64_t n, int64_t row_stride, int64_t d, float* buf,
+                                   int64_t* stride_out) {
+  return QuantizedPageRows(page, n, row_stride, d, buf, stride_out);
 }
 
 #ifndef FERRY_PREFETCH_PAGES
@@ -266,14 +328,14 @@ struct TilePages {
         count((num_keys + geometry.block_size - 1) / geometry.block_size) {}
   int64_t Offset(int64_t j) const {
     const int64_t block = std::clamp<int64_t>(table[j], 0, g.num_blocks - 1);
-    return (block * g.block_size * g.num_kv_heads + head0) * g.head_dim;
+    return (block * g.block_size * g.num_kv_heads + head0) * g.page_dim;
   }
   int64_t Rows(int64_t j) const { return std::min(g.block_size, keys - j * g.block_size); }  // keys in page j
   // Page j's K and V rows, all at once.
   template <typename T>
   void PrefetchPage(const T* k, const T* v, int64_t j, int64_t row_elems) const {
-    Prefetch(k + Offset(j), Rows(j), g.num_kv_heads * g.head_dim, row_elems);
-    Prefetch(v + Offset(j), Rows(j), g.num_kv_heads * g.head_dim, row_elems);
+    Prefetch(k + Offset(j), Rows(j), g.num_kv_heads * g.page_dim, row_elems);
+    Prefetch(v + Offset(j), Rows(j), g.num_kv_heads * g.page_dim, row_elems);
   }
   template <typename T>
   void PrefetchAhead(const T* k, const T* v, int64_t j, int64_t row_elems) const {
@@ -284,7 +346,7 @@ struct TilePages {
   template <typename T>
   PageStream Stream(const T* k, const T* v, int64_t j, int64_t row_elems, int64_t calls) const {
     if (kPrefetchPages <= 0 || j >= count) return PageStream{};
-    if (row_elems != g.num_kv_heads * g.head_dim) {
+    if (row_elems != g.num_kv_heads * g.page_dim) {
       PrefetchPage(k, v, j, row_elems);
       return PageStream{};
     }
@@ -322,7 +384,8 @@ FERRY_INLINE void AttendTileImpl(const Problem<TQ, TKV>& p, const Tile& tile, Sc
   const int64_t M = tile.nrows * NH * G;  // query vectors: index (r * NH + hh) * G + gi
   const int64_t max_keys_total = g.num_blocks > 0 ? g.table_width * BS : 0;
   const int64_t q_row_stride = g.num_q_heads * D;
-  const int64_t kv_row_stride = g.num_kv_heads * D;
+  const int64_t PD = g.page_dim;  // a kv head's row in the pages (D, or D + 4 quantized)
+  const int64_t kv_row_stride = g.num_kv_heads * PD;
   sc.Reserve(tile.nrows, M, BS, D);
   float* qf = sc.q.data();
   float* acc = sc.acc.data();
@@ -357,11 +420,11 @@ FERRY_INLINE void AttendTileImpl(const Problem<TQ, TKV>& p, const Tile& tile, Sc
     const int64_t base = j * BS;
     const int64_t n = pages.Rows(j);
     const int64_t offset = pages.Offset(j);
-    pages.PrefetchAhead(p.k, p.v, j, NH * D);
+    pages.PrefetchAhead(p.k, p.v, j, NH * PD);
     for (int64_t hh = 0; hh < NH; ++hh) {
       int64_t ks = 0, vs = 0;
-      const float* kr_page = PageRows(p.k + offset + hh * D, n, kv_row_stride, D, sc.k.data(), &ks);
-      const float* vr_page = PageRows(p.v + offset + hh * D, n, kv_row_stride, D, sc.v.data(), &vs);
+      const float* kr_page = PageRows(p.k + offset + hh * PD, n, kv_row_stride, D, sc.k.data(), &ks);
+      const float* vr_page = PageRows(p.v + offset + hh * PD, n, kv_row_stride, D, sc.v.data(), &vs);
       for (int64_t r = 0; r < tile.nrows; ++r) {
         const int64_t t0 = std::max<int64_t>(first_key(r) - base, 0);  // the page's keys row r sees: [t0, end)
         const int64_t nm = std::min(n, nk[r] - base) - t0;
@@ -424,6 +487,20 @@ FERRY_CLONES void AttendTileF32Bf16(const Problem<float, uint16_t>& p, const Til
   AttendTileAnyD(p, tile, sc);
 }
 
+// Quantized pages: the vector tiles only.
+FERRY_CLONES void AttendTileF32I8(const Problem<float, int8_t>& p, const Tile& tile, Scratch& sc) {
+  AttendTileAnyD(p, tile, sc);
+}
+FERRY_CLONES void AttendTileBf16I8(const Problem<uint16_t, int8_t>& p, const Tile& tile, Scratch& sc) {
+  AttendTileAnyD(p, tile, sc);
+}
+FERRY_CLONES void AttendTileF32Fp8(const Problem<float, Fp8E4M3>& p, const Tile& tile, Scratch& sc) {
+  AttendTileAnyD(p, tile, sc);
+}
+FERRY_CLONES void AttendTileBf16Fp8(const Problem<uint16_t, Fp8E4M3>& p, const Tile& tile, Scratch& sc) {
+  AttendTileAnyD(p, tile, sc);
+}
+
 // ----------------------------------------------------------------------------- dispatch
 
 // The x86 tiles: attention_avx512.h and attention_avx2.h (stubs there without FERRY_HAVE_X86_TILES, where
@@ -461,6 +538,16 @@ FERRY_INLINE void AttendTile(const Problem<float, uint16_t>& p, const Tile& t, S
   if (p.tiles == TileKind::kDecodeAvx2) return DecodeTileAvx2(p, t, sc);
   if (p.tiles == TileKind::kPrefillAvx2) return PrefillTileAvx2(p, t, sc);
   AttendTileF32Bf16(p, t, sc);
+}
+FERRY_INLINE void AttendTile(const Problem<float, int8_t>& p, const Tile& t, Scratch& sc) { AttendTileF32I8(p, t, sc); }
+FERRY_INLINE void AttendTile(const Problem<uint16_t, int8_t>& p, const Tile& t, Scratch& sc) {
+  AttendTileBf16I8(p, t, sc);
+}
+FERRY_INLINE void AttendTile(const Problem<float, Fp8E4M3>& p, const Tile& t, Scratch& sc) {
+  AttendTileF32Fp8(p, t, sc);
+}
+FERRY_INLINE void AttendTile(const Problem<uint16_t, Fp8E4M3>& p, const Tile& t, Scratch& sc) {
+  AttendTileBf16Fp8(p, t, sc);
 }
 
 // In decode, each thread starting a tile asks for the first pages of the tile it takes next (ParallelFor's
@@ -510,11 +597,12 @@ ffi::Error CheckCommon(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   const auto dt = q.element_type(), kv = k.element_type();
   if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("ferry paged attention: q must be float32 or bfloat16");
+  const bool quantized = kv == ffi::DataType::S8 || kv == ffi::DataType::F8E4M3FN;
   if (v.element_type() != kv || out.element_type() != dt ||
-      !(kv == dt || (dt == ffi::DataType::F32 && kv == ffi::DataType::BF16)))
+      !(kv == dt || quantized || (dt == ffi::DataType::F32 && kv == ffi::DataType::BF16)))
     return ffi::Error::InvalidArgument(
-        "ferry paged attention: q and out share a dtype, and k/v pages have it too or are bfloat16 "
-        "under float32 q");
+        "ferry paged attention: q and out share a dtype, and k/v pages have it too, are bfloat16 "
+        "under float32 q, or are quantized (int8 or float8_e4m3fn)");
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = out.dimensions();
   auto td = tables.dimensions(), ld = lens.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || od.size() != 3 || td.size() != 2 ||
@@ -528,8 +616,9 @@ ffi::Error CheckCommon(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   for (int i = 0; i < 3; ++i)
     if (qd[i] != od[i])
       return ffi::Error::InvalidArgument("ferry paged attention: out must have q's shape");
-  if (kd[3] != qd[2])
-    return ffi::Error::InvalidArgument("ferry paged attention: head_dim of q and pages differ");
+  if (kd[3] != qd[2] + (quantized ? 4 : 0))
+    return ffi::Error::InvalidArgument(
+        "ferry paged attention: head_dim of q and pages differ (quantized pages: head_dim + 4, the scale)");
   if (kd[2] <= 0 || qd[1] % kd[2] != 0)
     return ffi::Error::InvalidArgument(
         "ferry paged attention: num_q_heads must be a multiple of num_kv_heads");
@@ -541,7 +630,8 @@ ffi::Error CheckCommon(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   g->num_blocks = kd[0];
   g->block_size = kd[1];
   g->num_kv_heads = kd[2];
-  g->head_dim = kd[3];
+  g->head_dim = qd[2];
+  g->page_dim = kd[3];
   g->num_q_heads = qd[1];
   g->group = qd[1] / kd[2];
   g->table_width = td[1];
@@ -574,7 +664,8 @@ void ZeroRows(T* out, int64_t row0, int64_t nrows, int64_t row_elems) {
 // FERRY_NATIVE_ATTENTION_NO_GEMM_TILES=1 keeps prefill and decode on the vector-at-a-time tiles (tests). A
 // sliding window runs on them too: the x86 tiles have no per-row first key.
 TileKind AttentionTiles(const Geometry& g, bool decode, int64_t window) {
-  if (window > 0 || EnvIsOne("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES")) return TileKind::kVector;
+  if (window > 0 || g.page_dim != g.head_dim || EnvIsOne("FERRY_NATIVE_ATTENTION_NO_GEMM_TILES"))
+    return TileKind::kVector;  // quantized pages (page_dim != head_dim) too
   if (UseAvx512Matmul() && g.head_dim % (decode ? 32 : 16) == 0)
     return decode ? TileKind::kDecodeAvx512 : TileKind::kPrefillAvx512;
   if (UseAvx2Matmul() && g.head_dim % 8 == 0) return decode ? TileKind::kDecodeAvx2 : TileKind::kPrefillAvx2;
@@ -588,7 +679,13 @@ void RunAnyDtype(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   const TileKind kind = AttentionTiles(g, decode, window);
   const bool q_f32 = q.element_type() == ffi::DataType::F32;
   const bool kv_f32 = k.element_type() == ffi::DataType::F32;
-  if (q_f32 && kv_f32) {
+  if (k.element_type() == ffi::DataType::S8) {
+    if (q_f32) RunTiles(pool, MakeProblem<float, int8_t>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
+    else RunTiles(pool, MakeProblem<uint16_t, int8_t>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
+  } else if (k.element_type() == ffi::DataType::F8E4M3FN) {
+    if (q_f32) RunTiles(pool, MakeProblem<float, Fp8E4M3>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
+    else RunTiles(pool, MakeProblem<uint16_t, Fp8E4M3>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
+  } else if (q_f32 && kv_f32) {
     RunTiles(pool, MakeProblem<float, float>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
   } else if (q_f32) {
     RunTiles(pool, MakeProblem<float, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);

@@ -14,6 +14,10 @@
 //                               w[layer] read in place, packed: see matmul.h); attribute
 //                               act >= 0: act(gate) * up of its [gate | up]
 //                               halves, [M, N/2] f32 or bf16 (see "gated activation" in matmul.h)
+//   FerryStackedMatmulQuantized x [M, K] f32 or bf16, values [L, P, 4, KP, 16] s8 (int8, int4) or u8 (uint4),
+//                               scales [L, P, 4, G, 16] f32, offsets (scales' shape, or [0]: none), layer,
+//                               rows -> x[:rows] @ dequantize(w[layer]) (see "Quantized weights" in matmul.h);
+//                               FerryStackedMatmul's attributes and kind (1 int8, 2 int4, 3 uint4)
 //   FerryRmsNorm                x [M, K] f32 or bf16, w [K] (x's dtype)     -> RMSNorm(x) [M, K]
 //   FerryAddRmsNorm             x [M, K], delta [M, K] (f32 or x's dtype), w [K]
 //                               -> sum = x + delta (x's dtype), RMSNorm(sum) (see rms_norm.h)
@@ -72,6 +76,18 @@ ffi::Error StackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> y,
                              int32_t act, int32_t groups, int32_t round_bf16) {
   return Guarded([&] { return StackedMatmulBody(pool, x, w, layer, rows, y, act, groups, round_bf16); });
+}
+
+ffi::Error StackedMatmulQuantizedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                                      ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::Buffer<ffi::S32> layer,
+                                      ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> y, int32_t act,
+                                      int32_t groups, int32_t round_bf16, int32_t kind) {
+  return Guarded([&] {
+    if (kind < 1 || kind > 3)
+      return ffi::Error::InvalidArgument("ferry stacked matmul: kind must be 1 (int8), 2 (int4) or 3 (uint4)");
+    const QuantOperands quant{scales, offsets, kind};
+    return StackedMatmulBody(pool, x, values, layer, rows, y, act, groups, round_bf16, &quant);
+  });
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -154,6 +170,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmul, StackedMatmulImpl,
                                   .Attr<int32_t>("groups")   // w's column parts, each padded to panels
                                   .Attr<int32_t>("round_bf16"));  // 1: y at bfloat16's precision
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmulQuantized, StackedMatmulQuantizedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K] f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()  // values [L, P, 4, KP, 16] s8 or u8, packed
+                                  .Arg<ffi::AnyBuffer>()  // scales [L, P, 4, G, 16] f32
+                                  .Arg<ffi::AnyBuffer>()  // offsets: scales' shape, or [0] (none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows []
+                                  .Ret<ffi::AnyBuffer>()  // y [M, N] f32; gated: [M, N/2] f32 or bf16
+                                  .Attr<int32_t>("act")
+                                  .Attr<int32_t>("groups")
+                                  .Attr<int32_t>("round_bf16")
+                                  .Attr<int32_t>("kind"));  // 1 int8, 2 int4, 3 uint4
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryRmsNorm, RmsNormImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -214,6 +245,7 @@ extern "C" const FerryFfiTarget* FerryFfiTargets(int32_t* count) {
       {"ferry_paged_prefill_attention", FerryPagedPrefillAttention},
       {"ferry_kv_write", FerryKvWrite},
       {"ferry_stacked_matmul", FerryStackedMatmul},
+      {"ferry_stacked_matmul_quantized", FerryStackedMatmulQuantized},
       {"ferry_rms_norm", FerryRmsNorm},
       {"ferry_add_rms_norm", FerryAddRmsNorm},
   };

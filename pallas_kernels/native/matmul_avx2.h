@@ -161,6 +161,116 @@ FERRY_AVX2 void PanelTileWidenedAvx2(const Matmul& p, const void* panel, int64_t
   }
 }
 
+// ----------------------------------------------------------------------------- quantized panel tiles
+
+// Weight vector v of a quantized pass's k step (8 columns: 8 bytes of a strip's row; kKind 1 int8, 2 int4,
+// 3 uint4, 4-bit rows holding pairs: kHigh the odd k step's nibble), dequantized by the group's scales s[v]
+// (and offsets o[v]) as float(q) * s, rounded, then + o.
+template <int kKind, bool kHigh, bool kOffsets>
+struct QuantWeights {
+  const uint8_t* w;  // the pass's first strip's row
+  int64_t strip;
+  const __m256* s;
+  const __m256* o;
+  FERRY_AVX2 FERRY_INLINE __m256 operator()(int v) const {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + v / 2 * strip + 8 * (v % 2)));
+    __m256i q;
+    if constexpr (kKind == 1) {
+      q = _mm256_cvtepi8_epi32(raw);
+    } else {
+      const __m256i bytes = _mm256_cvtepu8_epi32(raw);
+      if constexpr (kKind == 2) q = _mm256_srai_epi32(_mm256_slli_epi32(bytes, kHigh ? 24 : 28), 28);
+      else if constexpr (kHigh) q = _mm256_srli_epi32(bytes, 4);
+      else q = _mm256_and_si256(bytes, _mm256_set1_epi32(15));
+    }
+    __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(q), s[v]);
+    if constexpr (kOffsets) {
+      asm("" : "+x"(d));  // DequantBarrier in a register
+      d = _mm256_add_ps(d, o[v]);
+    }
+    return d;
+  }
+};
+
+// Quantized panel, float32 x: PanelTileF32Avx2's passes, each group's scales (and offsets) for the pass's
+// vectors held across its k steps.
+template <int MR, int kKind, bool kOffsets>
+FERRY_AVX2 void PanelTileQuantAvx2(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
+                                   int64_t ldy, TileSpan span, PanelAhead ahead) {
+  constexpr int kV = PassVectors(MR);
+  const float* x_rows[MR];
+  FERRY_UNROLL for (int r = 0; r < MR; ++r) x_rows[r] = p.x + (r0 + r) * p.k;
+  const int64_t index = p.PanelIndex(panel), strip = p.StripBytes(), strip_scales = p.StripScales();
+  for (int64_t s = 0; 8 * kV * s < cols; ++s) {
+    __m256 acc[MR][kV];
+    StartPass8<MR, kV>(acc, s, cols, y, ldy, span.k0 == 0);
+    const uint8_t* w = static_cast<const uint8_t*>(panel) + kV / 2 * s * strip;
+    const float* scales = p.PanelScales(index) + kV / 2 * s * strip_scales;
+    const float* offsets = kOffsets ? p.PanelOffsets(index) + kV / 2 * s * strip_scales : nullptr;
+    for (int64_t k = span.k0; k < span.k1;) {
+      const int64_t gi = k / p.group, end = std::min(span.k1, (gi + 1) * p.group);
+      __m256 sv[kV], ov[kV];
+      FERRY_UNROLL for (int v = 0; v < kV; ++v) {
+        const int64_t at = v / 2 * strip_scales + gi * kStripCols + 8 * (v % 2);
+        sv[v] = _mm256_loadu_ps(scales + at);
+        ov[v] = kOffsets ? _mm256_loadu_ps(offsets + at) : _mm256_setzero_ps();
+      }
+      if constexpr (kKind == 1) {
+        for (; k < end; ++k) {
+          ahead.Next();
+          FmaRows8<MR, kV>(acc, x_rows, k, QuantWeights<kKind, false, kOffsets>{w + k * kStripCols, strip, sv, ov});
+        }
+      } else {
+        for (; k < end; k += 2) {
+          ahead.Next();
+          const uint8_t* row = w + k / 2 * kStripCols;
+          FmaRows8<MR, kV>(acc, x_rows, k, QuantWeights<kKind, false, kOffsets>{row, strip, sv, ov});
+          if (k + 1 == p.k) continue;  // an odd K's last pair: its high nibble is padding
+          FmaRows8<MR, kV>(acc, x_rows, k + 1, QuantWeights<kKind, true, kOffsets>{row, strip, sv, ov});
+        }
+        k = std::min(k, end);
+      }
+    }
+    StorePass8<MR, kV>(p, acc, s, cols, y, ldy, span.k1 == p.k);
+  }
+}
+
+// DequantFn on AVX2 (DequantBlockAvx512's): a k block of a quantized panel into float32 strips.
+template <int kKind, bool kOffsets>
+FERRY_AVX2 void DequantBlockAvx2(const Matmul& p, const void* panel, TileSpan span, float* out) {
+  const int64_t index = p.PanelIndex(panel), strip = p.StripBytes(), strip_scales = p.StripScales();
+  for (int64_t v = 0; v < kPanelStrips; ++v) {
+    const uint8_t* w = static_cast<const uint8_t*>(panel) + v * strip;
+    const float* scales = p.PanelScales(index) + v * strip_scales;
+    const float* offsets = kOffsets ? p.PanelOffsets(index) + v * strip_scales : nullptr;
+    float* o_strip = out + v * p.k * kStripCols;
+    for (int64_t k = span.k0; k < span.k1;) {
+      const int64_t gi = k / p.group, end = std::min(span.k1, (gi + 1) * p.group);
+      __m256 sv[2], ov[2];
+      FERRY_UNROLL for (int h = 0; h < 2; ++h) {
+        sv[h] = _mm256_loadu_ps(scales + gi * kStripCols + 8 * h);
+        ov[h] = kOffsets ? _mm256_loadu_ps(offsets + gi * kStripCols + 8 * h) : _mm256_setzero_ps();
+      }
+      if constexpr (kKind == 1) {
+        for (; k < end; ++k) {
+          const QuantWeights<kKind, false, kOffsets> q{w + k * kStripCols, strip, sv, ov};
+          FERRY_UNROLL for (int h = 0; h < 2; ++h) _mm256_storeu_ps(o_strip + k * kStripCols + 8 * h, q(h));
+        }
+      } else {
+        for (; k < end; k += 2) {
+          const uint8_t* row = w + k / 2 * kStripCols;
+          const QuantWeights<kKind, false, kOffsets> low{row, strip, sv, ov};
+          const QuantWeights<kKind, true, kOffsets> high{row, strip, sv, ov};
+          FERRY_UNROLL for (int h = 0; h < 2; ++h) _mm256_storeu_ps(o_strip + k * kStripCols + 8 * h, low(h));
+          if (k + 1 < p.k)
+            FERRY_UNROLL for (int h = 0; h < 2; ++h) _mm256_storeu_ps(o_strip + (k + 1) * kStripCols + 8 * h, high(h));
+        }
+        k = std::min(k, end);
+      }
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------- SiLU
 
 // 8 values to TOut's precision, and stored (the first `count`).
@@ -224,6 +334,22 @@ constexpr PanelTileFn kPanelTilesAvx2[2][kRowBlock] = {
 #define FERRY_AVX2_PASSES {PassesOf(1), PassesOf(2), PassesOf(3), PassesOf(4), PassesOf(5), PassesOf(6)}
 constexpr PanelTiles kAvx2Tiles[2] = {{kPanelTilesAvx2[0], FERRY_AVX2_PASSES, &GatedRowsAvx2, 3, 512},
                                       {kPanelTilesAvx2[1], FERRY_AVX2_PASSES, &GatedRowsAvx2, 3, 512}};
+// The quantized tiles, by 2 * (kind - 1) + offsets (kind 1 int8, 2 int4, 3 uint4), as the float ones.
+#define FERRY_QUANT_TILES(kind, offsets)                                                                 \
+  {&PanelTileQuantAvx2<1, kind, offsets>, &PanelTileQuantAvx2<2, kind, offsets>,                         \
+   &PanelTileQuantAvx2<3, kind, offsets>, &PanelTileQuantAvx2<4, kind, offsets>,                         \
+   &PanelTileQuantAvx2<5, kind, offsets>, &PanelTileQuantAvx2<6, kind, offsets>}
+constexpr PanelTileFn kQuantPanelTilesAvx2[6][kRowBlock] = {
+    FERRY_QUANT_TILES(1, false), FERRY_QUANT_TILES(1, true), FERRY_QUANT_TILES(2, false),
+    FERRY_QUANT_TILES(2, true),  FERRY_QUANT_TILES(3, false), FERRY_QUANT_TILES(3, true)};
+#undef FERRY_QUANT_TILES
+#define FERRY_QUANT_PANEL_TILES(i, kind, offsets)                                   \
+  {kQuantPanelTilesAvx2[i], FERRY_AVX2_PASSES, &GatedRowsAvx2, 3, 512, &DequantBlockAvx2<kind, offsets>, \
+   kPanelTilesAvx2[0]}
+constexpr PanelTiles kAvx2QuantTiles[6] = {
+    FERRY_QUANT_PANEL_TILES(0, 1, false), FERRY_QUANT_PANEL_TILES(1, 1, true), FERRY_QUANT_PANEL_TILES(2, 2, false),
+    FERRY_QUANT_PANEL_TILES(3, 2, true),  FERRY_QUANT_PANEL_TILES(4, 3, false), FERRY_QUANT_PANEL_TILES(5, 3, true)};
+#undef FERRY_QUANT_PANEL_TILES
 #undef FERRY_AVX2_PASSES
 
 }  // namespace

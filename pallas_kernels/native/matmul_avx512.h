@@ -168,6 +168,121 @@ FERRY_AVX512_BF16 void PanelTileDpbf16(const Matmul& p, const void* panel, int64
   FERRY_STORE_TILE(acc);
 }
 
+// ----------------------------------------------------------------------------- quantized panel tiles
+
+// A pair's bytes (zero-extended into 32-bit lanes) -> the low (even k) or high nibble's value as float32, by
+// a permute of `table` (float(value) by nibble), which reads only an index's low 4 bits: one instruction for
+// the low nibble, a shift and one for the high, where widening, sign-extending and converting took three.
+// (Zero-masked forms, as LoadBf16Lanes: the plain ones start from _mm512_undefined_*, which -Wall reports.)
+FERRY_AVX512 FERRY_INLINE __m512 NibbleTable(int kind) {  // 2: int4 (two's complement nibbles), 3: uint4
+  return kind == 2 ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1)
+                   : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+template <bool kHigh>
+FERRY_AVX512 FERRY_INLINE __m512 Nibbles16(__m512i bytes, __m512 table) {
+  const __mmask16 all = 0xFFFF;
+  return _mm512_maskz_permutexvar_ps(all, kHigh ? _mm512_maskz_srli_epi32(all, bytes, 4) : bytes, table);
+}
+
+// float(q) * s (+ o) of 16 values already float32.
+template <bool kOffsets>
+FERRY_AVX512 FERRY_INLINE __m512 Scaled16(__m512 q, __m512 s, __m512 o) {
+  __m512 d = _mm512_mul_ps(q, s);
+  if constexpr (kOffsets) {
+    asm("" : "+v"(d));  // DequantBarrier in a register
+    d = _mm512_add_ps(d, o);
+  }
+  return d;
+}
+
+// 16 int8 values (int32 lanes) -> float(q) * s (+ o).
+template <bool kOffsets>
+FERRY_AVX512 FERRY_INLINE __m512 Dequant16(__m512i q, __m512 s, __m512 o) {
+  return Scaled16<kOffsets>(_mm512_maskz_cvtepi32_ps(0xFFFF, q), s, o);
+}
+
+// Quantized panel (kKind 1 int8, 2 int4, 3 uint4; kOffsets: with offsets), float32 x: a group's 4 strips'
+// scales (and offsets) in registers over its k steps; per k step (4-bit: per pair) a 16-byte line of each
+// strip, widened, dequantized and summed as the float32 tile sums (FmaRows).
+template <int MR, int kKind, bool kOffsets>
+FERRY_AVX512 void PanelTileQuant(const Matmul& p, const void* panel, int64_t r0, int64_t cols, float* y,
+                                 int64_t ldy, TileSpan span, PanelAhead ahead) {
+  __m512 acc[MR][4];
+  FERRY_START_TILE(acc);
+  const int64_t index = p.PanelIndex(panel), strip = p.StripBytes(), strip_scales = p.StripScales();
+  const uint8_t* w = static_cast<const uint8_t*>(panel);
+  const float* scales = p.PanelScales(index);
+  const float* offsets = p.PanelOffsets(index);
+  const float* x = p.x + r0 * p.k;
+  const __m512 table = NibbleTable(kKind);
+  for (int64_t k = span.k0; k < span.k1;) {
+    const int64_t gi = k / p.group, end = std::min(span.k1, (gi + 1) * p.group);
+    __m512 s[4], o[4];
+    FERRY_UNROLL for (int v = 0; v < 4; ++v) {
+      s[v] = _mm512_loadu_ps(scales + v * strip_scales + gi * kStripCols);
+      o[v] = kOffsets ? _mm512_loadu_ps(offsets + v * strip_scales + gi * kStripCols) : _mm512_setzero_ps();
+    }
+    if constexpr (kKind == 1) {
+      for (; k < end; ++k) {
+        ahead.Next();
+        __m512 b[4];
+        FERRY_UNROLL for (int v = 0; v < 4; ++v) b[v] = Dequant16<kOffsets>(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + v * strip + k * kStripCols))), s[v], o[v]);
+        FmaRows<MR>(acc, x + k, p.k, b);
+      }
+    } else {
+      for (; k < end; k += 2) {
+        ahead.Next();
+        __m512i bytes[4];
+        __m512 b[4];
+        FERRY_UNROLL for (int v = 0; v < 4; ++v) bytes[v] = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + v * strip + k / 2 * kStripCols)));
+        FERRY_UNROLL for (int v = 0; v < 4; ++v) b[v] = Scaled16<kOffsets>(Nibbles16<false>(bytes[v], table), s[v], o[v]);
+        FmaRows<MR>(acc, x + k, p.k, b);
+        if (k + 1 == p.k) continue;  // an odd K's last pair: its high nibble is padding
+        FERRY_UNROLL for (int v = 0; v < 4; ++v) b[v] = Scaled16<kOffsets>(Nibbles16<true>(bytes[v], table), s[v], o[v]);
+        FmaRows<MR>(acc, x + k + 1, p.k, b);
+      }
+      k = std::min(k, end);  // past an odd K's last step
+    }
+  }
+  FERRY_STORE_TILE(acc);
+}
+
+// DequantFn: the k steps `span` of a quantized panel's 4 strips dequantized into `out`'s float32 strips
+// (K * 16 floats apart, a float32 panel's layout), for PanelTileF32 to sum over several row blocks.
+template <int kKind, bool kOffsets>
+FERRY_AVX512 void DequantBlockAvx512(const Matmul& p, const void* panel, TileSpan span, float* out) {
+  const int64_t index = p.PanelIndex(panel), strip = p.StripBytes(), strip_scales = p.StripScales();
+  const __m512 table = NibbleTable(kKind);
+  for (int64_t v = 0; v < kPanelStrips; ++v) {
+    const uint8_t* w = static_cast<const uint8_t*>(panel) + v * strip;
+    const float* scales = p.PanelScales(index) + v * strip_scales;
+    const float* offsets = kOffsets ? p.PanelOffsets(index) + v * strip_scales : nullptr;
+    float* o_strip = out + v * p.k * kStripCols;
+    for (int64_t k = span.k0; k < span.k1;) {
+      const int64_t gi = k / p.group, end = std::min(span.k1, (gi + 1) * p.group);
+      const __m512 s = _mm512_loadu_ps(scales + gi * kStripCols);
+      const __m512 o = kOffsets ? _mm512_loadu_ps(offsets + gi * kStripCols) : _mm512_setzero_ps();
+      if constexpr (kKind == 1) {
+        for (; k < end; ++k)
+          _mm512_storeu_ps(o_strip + k * kStripCols, Dequant16<kOffsets>(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kStripCols))), s, o));
+      } else {
+        for (; k < end; k += 2) {
+          const __m512i bytes = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2 * kStripCols)));
+          _mm512_storeu_ps(o_strip + k * kStripCols, Scaled16<kOffsets>(Nibbles16<false>(bytes, table), s, o));
+          if (k + 1 < p.k)
+            _mm512_storeu_ps(o_strip + (k + 1) * kStripCols,
+                             Scaled16<kOffsets>(Nibbles16<true>(bytes, table), s, o));
+        }
+        k = std::min(k, end);
+      }
+    }
+  }
+}
+
 #undef FERRY_START_TILE
 #undef FERRY_STORE_TILE
 
@@ -178,6 +293,24 @@ constexpr PanelTileFn kPanelTiles[3][kRowBlock] = {
      &PanelTileWidened<5>, &PanelTileWidened<6>},
     {&PanelTileDpbf16<1>, &PanelTileDpbf16<2>, &PanelTileDpbf16<3>, &PanelTileDpbf16<4>, &PanelTileDpbf16<5>,
      &PanelTileDpbf16<6>}};
+
+// [2 * (kind - 1) + offsets][rows - 1]: the quantized tiles, kind 1 int8, 2 int4, 3 uint4.
+#define FERRY_QUANT_TILES(kind, offsets)                                                               \
+  {&PanelTileQuant<1, kind, offsets>, &PanelTileQuant<2, kind, offsets>, &PanelTileQuant<3, kind, offsets>, \
+   &PanelTileQuant<4, kind, offsets>, &PanelTileQuant<5, kind, offsets>, &PanelTileQuant<6, kind, offsets>}
+constexpr PanelTileFn kQuantPanelTiles[6][kRowBlock] = {
+    FERRY_QUANT_TILES(1, false), FERRY_QUANT_TILES(1, true), FERRY_QUANT_TILES(2, false),
+    FERRY_QUANT_TILES(2, true),  FERRY_QUANT_TILES(3, false), FERRY_QUANT_TILES(3, true)};
+#undef FERRY_QUANT_TILES
+
+// The AVX-512 quantized tiles as PanelTiles, by 2 * (kind - 1) + offsets: as the float tiles.
+// Items of several row blocks dequantize a k block once and sum it by the float32 tiles.
+#define FERRY_QUANT_PANEL_TILES(i, kind, offsets) \
+  {kQuantPanelTiles[i], {1, 1, 1, 1, 1, 1}, &GatedRowsAvx512, 1, 0, &DequantBlockAvx512<kind, offsets>, kPanelTiles[0]}
+constexpr PanelTiles kAvx512QuantTiles[6] = {
+    FERRY_QUANT_PANEL_TILES(0, 1, false), FERRY_QUANT_PANEL_TILES(1, 1, true), FERRY_QUANT_PANEL_TILES(2, 2, false),
+    FERRY_QUANT_PANEL_TILES(3, 2, true),  FERRY_QUANT_PANEL_TILES(4, 3, false), FERRY_QUANT_PANEL_TILES(5, 3, true)};
+#undef FERRY_QUANT_PANEL_TILES
 
 // The AVX-512 tiles as PanelTiles, by kind: one pass over a panel's k steps, the next panel asked for at any
 // row count, K in one block.

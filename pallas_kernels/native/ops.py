@@ -7,15 +7,20 @@
 
 take exactly the arguments of the references in pallas_kernels/reference.py and match them (float32
 and bfloat16, q and pages of one dtype, or float32 q over bfloat16 pages: a bf16 KV cache under a
-float32 model; GQA/MQA; any head_dim and block size; optional soft cap and sliding window).
-`stacked_matmul(x, packed, layer, n=N)` is x @ w[layer] for a [L, K, N] stack of weights (float32 or bfloat16)
-packed once by `pack_stacked`, reading that layer's panels in place (the scanned decoder layers'
-linears: XLA CPU copies a dynamic slice before its library dot).
+float32 model, or quantized int8 / float8_e4m3fn pages (pallas_kernels/kv_quant.py); GQA/MQA; any
+head_dim and block size; optional soft cap and sliding window).
+`stacked_matmul(x, packed, layer, n=N)` is x @ w[layer] for a [L, K, N] stack of weights (float32 or bfloat16, or
+a models.quantization.QuantizedWeight of int8, int4 or uint4 values with per-group scales and offsets) packed once
+by `pack_stacked`, reading that layer's panels in place (the scanned decoder layers' linears: XLA CPU copies a
+dynamic slice before its library dot). `packed_columns` reads columns back from a packed stack (a tied
+embedding table from the packed LM head).
 `kv_write(pages, updates, slot_mapping)` scatters one step's K or V rows into the pages in place (XLA
 CPU's own scatter into a 16-bit float cache rewrites every page). `rms_norm(x, w, eps=, offset=, delta=)` is a
 decoder layer's RMSNorm (with delta: the residual add before it) in one call, where XLA CPU runs several
 small fusions. They run on the CPU backend only, where library.available().
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +40,16 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # ----------------------------------------------------------------------------- the calls
 
 
+QUANTIZED_PAGE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # pallas_kernels/kv_quant.py's rows
+
+
 def supports(q_dtype, page_dtype) -> bool:
-    """Whether the native kernels take these dtypes: q and pages of one supported dtype, or float32 q
-    over bfloat16 pages (read in place and widened per page: no cache copy)."""
+    """Whether the native kernels take these dtypes: q and pages of one supported dtype, float32 q
+    over bfloat16 pages (read in place and widened per page: no cache copy), or float32 / bfloat16 q over
+    quantized pages (int8, float8_e4m3fn: each row its values and float32 scale, dequantized per page)."""
     q_dtype, page_dtype = jnp.dtype(q_dtype), jnp.dtype(page_dtype)
+    if page_dtype in QUANTIZED_PAGE_DTYPES:
+        return q_dtype in SUPPORTED_DTYPES
     if q_dtype == page_dtype:
         return q_dtype in SUPPORTED_DTYPES
     return q_dtype == jnp.dtype(jnp.float32) and page_dtype == jnp.dtype(jnp.bfloat16)
@@ -48,7 +59,8 @@ def _check(target, q, k_pages, v_pages):
     library.require(target)
     if not (supports(q.dtype, k_pages.dtype) and k_pages.dtype == v_pages.dtype):
         raise ValueError(f"native paged attention takes float32 or bfloat16 q and pages of one "
-                         f"dtype, or bfloat16 pages under float32 q; got q {q.dtype}, k {k_pages.dtype}, "
+                         f"dtype, bfloat16 pages under float32 q, or int8 / float8_e4m3fn pages; got q {q.dtype}, "
+                         f"k {k_pages.dtype}, "
                          f"v {v_pages.dtype}")
 
 
@@ -114,6 +126,133 @@ def packed_shape(num_layers: int, k: int, n: int, dtype, groups: int = 1) -> tup
     return num_layers, panels, strips, k, strip_cols
 
 
+# ----------------------------------------------------------------------------- quantized weights
+
+QUANTIZED_TARGET = "ferry_stacked_matmul_quantized"
+QUANTIZED_KINDS = {"int8": 1, "int4": 2, "uint4": 3}  # the kernel's kind attribute
+
+
+def _is_quantized(w) -> bool:
+    from models.quantization import is_quantized  # noqa: PLC0415 (models imports this module)
+    return is_quantized(w)
+
+
+def _panels(a, groups: int):
+    """[L, R, N] -> [L, P, 4, R, 16]: each of the `groups` column parts zero-padded to whole panels, every
+    panel's strips of 16 columns one after another, each strip's R rows contiguous."""
+    panel_cols, strip_cols, strips = panel_layout()
+    num_layers, rows, n = a.shape
+    if n % groups:
+        raise ValueError(f"pack_stacked: N {n} does not split into {groups} equal parts")
+    part = n // groups
+    per_part = -(-part // panel_cols)
+    a = a.reshape(num_layers, rows, groups, part)
+    a = jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, per_part * panel_cols - part)))
+    return a.reshape(num_layers, rows, groups * per_part, strips, strip_cols).transpose(0, 2, 3, 1, 4)
+
+
+def _unpanel(a, n: int, groups: int):
+    """_panels' inverse: [L, P, 4, R, 16] -> [L, R, n]."""
+    num_layers, _, _, rows, _ = a.shape
+    a = a.transpose(0, 3, 1, 2, 4).reshape(num_layers, rows, groups, -1)[..., :n // groups]
+    return a.reshape(num_layers, rows, n)
+
+
+def quantized_kind(packed, k: int) -> str:
+    """A packed QuantizedWeight's value kind: "int8" (int8 panels of K rows), "int4" (int8 panels of
+    ceil(K / 2) rows of nibble pairs) or "uint4" (uint8 panels)."""
+    dtype = jnp.dtype(packed.values.dtype)
+    if dtype == jnp.uint8:
+        return "uint4"
+    if dtype != jnp.int8:
+        raise ValueError(f"not a packed quantized weight: values {dtype}")
+    return "int8" if packed.values.shape[3] == k else "int4"
+
+
+def _pack_quantized(w, groups: int):
+    """pack_stacked for a QuantizedWeight [L, K, N] (see pack_stacked)."""
+    from models.quantization import QuantizedWeight  # noqa: PLC0415
+    values, scales, offsets = w.values, w.scales, w.offsets
+    dtype = jnp.dtype(values.dtype)
+    if dtype not in (jnp.dtype(jnp.int8), jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)):
+        raise ValueError(f"native stacked matmul takes int8, int4 or uint4 quantized weights; got {dtype} "
+                         f"(fp8 and others: dequantize, or the XLA path)")
+    if values.ndim != 3 or scales.ndim != 3:
+        raise ValueError(f"pack_stacked: a QuantizedWeight stack [L, K, N] needed; got values {values.shape}, "
+                         f"scales {scales.shape}")
+    num_layers, k, n = values.shape
+    k_groups = scales.shape[1]
+    if (scales.shape != (num_layers, k_groups, n) or k_groups < 1 or k % k_groups
+            or (offsets is not None and offsets.shape != scales.shape)):
+        raise ValueError(f"pack_stacked: scales (and offsets) must be [L, G, N] with G dividing K; got values "
+                         f"{values.shape}, scales {scales.shape}, "
+                         f"offsets {None if offsets is None else offsets.shape}")
+    four = dtype != jnp.dtype(jnp.int8)
+    if dtype == jnp.dtype(jnp.int4) and k == 1:
+        four = False  # one row: int8 holds it, and int8 panels of K rows tell int8 from int4's pairs
+    if four and k_groups > 1 and (k // k_groups) % 2:
+        raise ValueError(f"pack_stacked: 4-bit values need an even group size (or one group); got "
+                         f"{k // k_groups}")
+    if not four:
+        packed_values = _panels(values.astype(jnp.int8), groups)
+    else:
+        nibbles = values.astype(jnp.int8).astype(jnp.uint8) & 15  # int4: two's complement nibbles
+        nibbles = jnp.pad(nibbles, ((0, 0), (0, k % 2), (0, 0)))
+        pairs = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # [L, ceil(K / 2), N]
+        packed_values = _panels(pairs, groups)
+        if dtype == jnp.dtype(jnp.int4):
+            packed_values = jax.lax.bitcast_convert_type(packed_values, jnp.int8)
+    pack = functools.partial(_panels, groups=groups)
+    return QuantizedWeight(packed_values, pack(scales.astype(jnp.float32)),
+                           None if offsets is None else pack(offsets.astype(jnp.float32)))
+
+
+def _unpack_quantized(packed, k: int, n: int, groups: int):
+    from models.quantization import QuantizedWeight  # noqa: PLC0415
+    kind = quantized_kind(packed, k)
+    values = _unpanel(packed.values, n, groups)
+    if kind != "int8":
+        values = values.astype(jnp.uint8)
+        pairs = jnp.stack([values & 15, values >> 4], axis=2).reshape(values.shape[0], -1, n)[:, :k]
+        values = ((pairs ^ 8).astype(jnp.int8) - 8).astype(jnp.int4) if kind == "int4" else pairs.astype(jnp.uint4)
+    unpack = functools.partial(_unpanel, n=n, groups=groups)
+    return QuantizedWeight(values, unpack(packed.scales), None if packed.offsets is None else unpack(packed.offsets))
+
+
+def packed_columns(packed, ids, k: int):
+    """Columns `ids` [...] of layer 0 of a packed stack (pack_stacked of [L, K, N], one part), as float32
+    [..., K]: a gather of their strips' K rows, dequantized as QuantizedWeight.dequantize does (float(q) * s,
+    then + o) for a quantized stack. The tied embedding table read from the packed LM head."""
+    panel_cols, strip_cols, strips = panel_layout()
+    ids = jnp.asarray(ids, jnp.int32)
+    panel, strip, lane = ids // panel_cols, ids % panel_cols // strip_cols, ids % strip_cols
+
+    def column(a):  # [L, P, 4, R, C] -> [..., R, C]
+        return a[0, panel, strip]
+
+    if not _is_quantized(packed):
+        rows = column(packed)
+        if jnp.dtype(packed.dtype) == jnp.bfloat16:  # [..., ceil(K / 2), 32]: lane pairs 2 j, 2 j + 1
+            pairs = jnp.take_along_axis(rows.reshape(*rows.shape[:-1], strip_cols, 2),
+                                        lane[..., None, None, None], axis=-2)[..., 0, :]
+            return pairs.reshape(*ids.shape, -1)[..., :k].astype(jnp.float32)
+        return jnp.take_along_axis(rows, lane[..., None, None], axis=-1)[..., 0].astype(jnp.float32)
+
+    def lanes(a):  # [..., R]
+        return jnp.take_along_axis(column(a), lane[..., None, None], axis=-1)[..., 0]
+
+    kind = quantized_kind(packed, k)
+    values = lanes(packed.values)
+    if kind != "int8":
+        values = values.astype(jnp.uint8)
+        nibbles = jnp.stack([values & 15, values >> 4], axis=-1).reshape(*ids.shape, -1)[..., :k]
+        values = (nibbles ^ 8).astype(jnp.int8) - 8 if kind == "int4" else nibbles
+    scales = lanes(packed.scales)
+    group = k // scales.shape[-1]
+    w = values.astype(jnp.float32) * jnp.repeat(scales, group, axis=-1)
+    return w if packed.offsets is None else w + jnp.repeat(lanes(packed.offsets), group, axis=-1)
+
+
 def pack_stacked(w, groups: int = 1):
     """A stack of per-layer weights w [L, K, N] -> the panel-major layout stacked_matmul reads, once at
     load (the weights then stream from memory contiguously, where packing per call read a panel's columns of
@@ -124,7 +263,16 @@ def pack_stacked(w, groups: int = 1):
     k steps as one stream):
       float32: KP = K, [l, p, s, k, j] = w[l, k, c + 16 s + j];
       bfloat16: KP = ceil(K / 2), [l, p, s, k2, 2 j + h] = w[l, 2 k2 + h, c + 16 s + j] (zero past K): the
-      pairs of rows a bf16 dot product instruction takes, one 32-bit lane per column."""
+      pairs of rows a bf16 dot product instruction takes, one 32-bit lane per column.
+    A QuantizedWeight stack [L, K, N] (int8, int4 or uint4 values, float32 scales and offsets [L, G, N]) gives
+    a QuantizedWeight of panels (matmul.h, "Quantized weights"), its ndim PACKED_RANK:
+      values int8: [L, P, 4, K, 16] int8, [l, p, s, k, j] = q[l, k, c + 16 s + j];
+      values int4 / uint4: [L, P, 4, ceil(K / 2), 16] int8 / uint8, a byte per pair of rows, the even row in the
+      low nibble (int4: two's complement nibbles; zero past K; an int4 stack of K = 1 packs as int8);
+      scales, offsets: [L, P, 4, G, 16] float32, [l, p, s, i, j] = scales[l, i, c + 16 s + j].
+    fp8 (or any other value dtype) is a ValueError."""
+    if _is_quantized(w):
+        return _pack_quantized(w, groups)
     panel_cols, strip_cols, strips = panel_layout()
     num_layers, k, n = w.shape
     if n % groups:
@@ -142,7 +290,10 @@ def pack_stacked(w, groups: int = 1):
 
 
 def unpack_stacked(packed, k: int, n: int, groups: int = 1):
-    """pack_stacked's inverse: the [L, K, N] stack."""
+    """pack_stacked's inverse: the [L, K, N] stack (a QuantizedWeight's: a QuantizedWeight, int4 values of
+    K = 1 as int8)."""
+    if _is_quantized(packed):
+        return _unpack_quantized(packed, k, n, groups)
     panel_cols, strip_cols, strips = panel_layout()
     num_layers, panels = packed.shape[:2]
     part = n // groups
@@ -174,7 +325,14 @@ def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | 
     would run two converts of the logits).
 
     `rows` (an int32 scalar; None: all of them): only x's first `rows` rows (flattened) are computed, the
-    rest of the result left unwritten (garbage): a bucketed step's padding rows, which no real row reads."""
+    rest of the result left unwritten (garbage): a bucketed step's padding rows, which no real row reads.
+
+    A packed QuantizedWeight (pack_stacked of int8, int4 or uint4 values): each weight dequantized in float32 as
+    float(q) * s, rounded, then + o, and summed as the float32 path sums, so for float32 x the result is the
+    float32 path's on w.dequantize() bit for bit (bfloat16 x: on x widened to float32)."""
+    if _is_quantized(packed_w):
+        return _stacked_matmul_quantized(x, packed_w, layer, n=n, groups=groups, gated=gated, dtype=dtype,
+                                         round_to=round_to, rows=rows)
     library.require(STACKED_MATMUL_TARGET)
     if packed_w.dtype not in SUPPORTED_DTYPES or x.dtype not in {jnp.dtype(jnp.float32), packed_w.dtype}:
         raise ValueError(f"native stacked matmul takes float32 or bfloat16 weights and float32 x (or x of the "
@@ -184,6 +342,56 @@ def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | 
     if tuple(packed_w.shape) != want or n % groups:
         raise ValueError(f"native stacked matmul: packed_w must be pack_stacked(w [L, K, {n}], groups={groups}) "
                          f"for x [..., K]; got x {x.shape}, packed_w {packed_w.shape}")
+    width, round_bf16 = _check_epilogue(n, groups, gated, dtype, round_to)
+    x2 = x.reshape(-1, x.shape[-1])
+    call = jax.ffi.ffi_call(STACKED_MATMUL_TARGET,
+                            jax.ShapeDtypeStruct((x2.shape[0], width), dtype if gated else jnp.float32),
+                            vmap_method="sequential")
+    rows = x2.shape[0] if rows is None else rows
+    y = call(x2, packed_w, jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(rows, jnp.int32).reshape(()),
+             act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)), groups=np.int32(groups),
+             round_bf16=np.int32(round_bf16))
+    return y.reshape(*x.shape[:-1], width)
+
+
+def _stacked_matmul_quantized(x, packed, layer, *, n, groups, gated, dtype, round_to, rows):
+    """stacked_matmul for a packed QuantizedWeight: x @ dequantize(w[layer]), the float32 path's bits on the
+    dequantized weights (bf16 x: on x widened)."""
+    library.require(QUANTIZED_TARGET)
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"native quantized stacked matmul takes float32 or bfloat16 x; got {x.dtype}")
+    k = x.shape[-1]
+    values, scales, offsets = packed.values, packed.scales, packed.offsets
+    if jnp.dtype(values.dtype) not in (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8)):
+        raise ValueError(f"native stacked matmul takes int8, int4 or uint4 quantized weights packed by "
+                         f"pack_stacked; got values {values.dtype}")
+    kind = quantized_kind(packed, k)
+    panel_cols, strip_cols, strips = panel_layout()
+    num_layers = values.shape[0] if values.ndim == PACKED_RANK else 0
+    panels = groups * -(-(n // groups) // panel_cols)
+    want = (num_layers, panels, strips, k if kind == "int8" else (k + 1) // 2, strip_cols)
+    k_groups = scales.shape[3] if scales.ndim == PACKED_RANK else 0
+    if (tuple(values.shape) != want or n % groups or scales.dtype != jnp.float32 or k_groups < 1 or k % k_groups
+            or tuple(scales.shape) != (*want[:3], k_groups, strip_cols)
+            or (offsets is not None and (offsets.shape != scales.shape or offsets.dtype != jnp.float32))):
+        raise ValueError(f"native stacked matmul: packed_w must be pack_stacked(w [L, K, {n}], groups={groups}) "
+                         f"for x [..., K]; got x {x.shape}, values {values.shape}, scales {scales.shape}, "
+                         f"offsets {None if offsets is None else offsets.shape}")
+    width, round_bf16 = _check_epilogue(n, groups, gated, dtype, round_to)
+    x2 = x.reshape(-1, x.shape[-1])
+    call = jax.ffi.ffi_call(QUANTIZED_TARGET,
+                            jax.ShapeDtypeStruct((x2.shape[0], width), dtype if gated else jnp.float32),
+                            vmap_method="sequential")
+    rows = x2.shape[0] if rows is None else rows
+    y = call(x2, values, scales, jnp.zeros((0,), jnp.float32) if offsets is None else offsets,
+             jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(rows, jnp.int32).reshape(()),
+             act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)), groups=np.int32(groups),
+             round_bf16=np.int32(round_bf16), kind=np.int32(QUANTIZED_KINDS[kind]))
+    return y.reshape(*x.shape[:-1], width)
+
+
+def _check_epilogue(n, groups, gated, dtype, round_to):
+    """(the result's width, whether it rounds to bfloat16) for stacked_matmul's gated, dtype and round_to."""
     width = n
     round_bf16 = round_to is not None and jnp.dtype(round_to) == jnp.bfloat16
     if round_to is not None and (gated is not None or jnp.dtype(round_to) not in SUPPORTED_DTYPES):
@@ -194,15 +402,7 @@ def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | 
             raise ValueError(f"native gated stacked matmul: act one of {GATED_ACTIVATIONS}, groups 2 and a "
                              f"float32 or bfloat16 dtype needed; got {gated!r}, groups {groups}, {jnp.dtype(dtype)}")
         width //= 2
-    x2 = x.reshape(-1, x.shape[-1])
-    call = jax.ffi.ffi_call(STACKED_MATMUL_TARGET,
-                            jax.ShapeDtypeStruct((x2.shape[0], width), dtype if gated else jnp.float32),
-                            vmap_method="sequential")
-    rows = x2.shape[0] if rows is None else rows
-    y = call(x2, packed_w, jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(rows, jnp.int32).reshape(()),
-             act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)), groups=np.int32(groups),
-             round_bf16=np.int32(round_bf16))
-    return y.reshape(*x.shape[:-1], width)
+    return width, round_bf16
 
 
 def rms_norm(x, weight, *, eps: float, offset: float = 0.0, delta=None):

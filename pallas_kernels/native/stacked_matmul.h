@@ -1,6 +1,8 @@
 // FerryStackedMatmul's work distribution and body: work items of a panel (and a part of its rows), the x86
 // tiles' row blocks, k blocks and next-panel requests (matmul_avx512.h, matmul_avx2.h), or else the portable
-// loop per panel (matmul.h).
+// loop per panel (matmul.h). Quantized panels (FerryStackedMatmulQuantized) take the same items: their own
+// tiles for items of one row block (a decode step's), and for more rows each k block dequantized once and
+// summed by the float32 tiles (SumPanelDequantized).
 
 #pragma once
 
@@ -51,14 +53,46 @@ struct RowBlocks {
   }
 };
 
+// k steps a quantized panel's item of several row blocks dequantizes at a time (FERRY_NATIVE_MATMUL_K_BLOCK's
+// if smaller): 64 KB of float32 strips, which stay in L2 while the row blocks sum them.
+constexpr int64_t kDequantKBlock = 256;
+
+// SumPanel for a quantized panel over several row blocks: each k block dequantized once into float32 strips
+// (tiles.dequant), then summed by the float32 tiles for every row block (each row's sums the bits of the
+// quantized tiles', which dequantize the same way and sum alike), where the quantized tiles would dequantize
+// it again for each block of rows.
+void SumPanelDequantized(const Matmul& p, const PanelTiles& tiles, const void* panel, int64_t r0, int64_t rows,
+                         int64_t cols, float* y, int64_t ldy, AheadPlan& ahead) {
+  const RowBlocks blocks(rows);
+  thread_local std::vector<float> strips;  // [4, K, 16], only the k block's rows written and read
+  if (strips.size() < static_cast<size_t>(kPanelStrips * p.k * kStripCols))
+    strips.resize(kPanelStrips * p.k * kStripCols);
+  Matmul floats = p;  // the strips as a float32 panel's
+  floats.qkind = 0;
+  floats.w_bf16 = false;
+  const int64_t kc = p.k_block > 0 && p.k_block < kDequantKBlock ? p.k_block : kDequantKBlock;
+  const int64_t k_per_step = p.Pairs() ? 2 : 1;
+  for (int64_t k0 = 0; k0 < p.k; k0 += kc) {
+    const TileSpan span{k0, std::min(p.k, k0 + kc)};
+    tiles.dequant(p, panel, span, strips.data());
+    for (int64_t b0 = 0; b0 < rows; b0 += blocks.Height(b0)) {
+      const int64_t height = blocks.Height(b0), passes = tiles.passes[height - 1];
+      const PanelAhead asked = ahead.For((span.k1 - span.k0 + k_per_step - 1) / k_per_step * passes);
+      tiles.float_by_rows[height - 1](floats, strips.data(), r0 + b0, cols, y + b0 * ldy, ldy, span, asked);
+    }
+  }
+}
+
 // Rows [r0, r0 + rows) x one panel, their sums into y (row r0 at y, rows ldy apart): each row block's
 // tile over the panel's k steps p.k_block at a time, every row block taking a block of k steps before the
 // next, so the panel's block stays in L2 while the rows take it (a K = 2048 float32 panel is 512 KB, all of
 // Zen 2's L2; a row block's x stays in L1 across its strips either way).
 void SumPanel(const Matmul& p, const PanelTiles& tiles, const void* panel, int64_t r0, int64_t rows, int64_t cols,
               float* y, int64_t ldy, AheadPlan& ahead) {
+  if (tiles.dequant != nullptr && rows > kRowBlock)
+    return SumPanelDequantized(p, tiles, panel, r0, rows, cols, y, ldy, ahead);
   const RowBlocks blocks(rows);
-  const int64_t kc = rows > kRowBlock && p.k_block > 0 ? p.k_block : p.k, k_per_step = p.w_bf16 ? 2 : 1;
+  const int64_t kc = rows > kRowBlock && p.k_block > 0 ? p.k_block : p.k, k_per_step = p.Pairs() ? 2 : 1;
   for (int64_t k0 = 0; k0 < p.k; k0 += kc) {
     const TileSpan span{k0, std::min(p.k, k0 + kc)};
     for (int64_t b0 = 0; b0 < rows; b0 += blocks.Height(b0)) {
@@ -80,8 +114,8 @@ void MatmulItemTiled(const Matmul& p, const PanelTiles& tiles, int64_t item, int
     const RowBlocks blocks(std::min(kGroupRows, r_end - r0));
     for (int64_t b0 = 0; b0 < blocks.rows; b0 += blocks.Height(b0)) steps += tiles.passes[blocks.Height(b0) - 1];
   }
-  steps *= p.w_bf16 ? (p.k + 1) / 2 : p.k;
-  const int64_t lines = (p.PanelElems() * (p.w_bf16 ? 2 : 4) + 63) / 64;
+  steps *= p.Pairs() ? (p.k + 1) / 2 : p.k;
+  const int64_t lines = (p.PanelBytes() + 63) / 64;
   const bool ask = next >= 0 && p.m >= tiles.ahead_from_rows;
   auto plan = [&](int64_t panel) {
     return AheadPlan{ask ? static_cast<const char*>(p.Panel(panel)) : nullptr, lines, steps};
@@ -149,7 +183,8 @@ struct MatmulWork {
     }
 #endif
     const Matmul& p = *w->problem;
-    if (p.w_bf16) MatmulPanelGenericBf16(p, item);
+    if (p.qkind != 0) MatmulPanelGenericQuant(p, item);
+    else if (p.w_bf16) MatmulPanelGenericBf16(p, item);
     else MatmulPanelGenericF32(p, item);
     if (p.round_bf16)
       for (int64_t r = 0; r < p.m; ++r)
@@ -158,9 +193,16 @@ struct MatmulWork {
   }
 };
 
+// The quantized operands of FerryStackedMatmulQuantized: scales and offsets (element count 0: none) of the
+// packed values, and the values' kind (1 int8, 2 int4, 3 uint4).
+struct QuantOperands {
+  ffi::AnyBuffer scales, offsets;
+  int32_t kind;
+};
+
 ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer>& y,
-                             int32_t act, int32_t groups, int32_t round_bf16) {
+                             int32_t act, int32_t groups, int32_t round_bf16, const QuantOperands* quant = nullptr) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const bool gated = act >= 0;
   if (act > 1) return ffi::Error::InvalidArgument("ferry stacked matmul: act must be -1, 0 or 1");
@@ -168,29 +210,53 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
     return ffi::Error::InvalidArgument("ferry stacked matmul: round_bf16 must be 0 or 1 (gated: 0)");
   if (groups < 1 || (gated && groups != 2))
     return ffi::Error::InvalidArgument("ferry stacked matmul: groups must be >= 1 (gated: 2)");
-  const bool bf16 = w.element_type() == ffi::DataType::BF16;
-  if (!bf16 && w.element_type() != ffi::DataType::F32)
+  const int qkind = quant == nullptr ? 0 : quant->kind;
+  const bool bf16 = qkind == 0 && w.element_type() == ffi::DataType::BF16;
+  if (quant == nullptr && !bf16 && w.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("ferry stacked matmul: w must be float32 or bfloat16");
+  if (quant != nullptr &&
+      !((qkind == 1 || qkind == 2) && w.element_type() == ffi::DataType::S8) &&
+      !(qkind == 3 && w.element_type() == ffi::DataType::U8))
+    return ffi::Error::InvalidArgument("ferry stacked matmul: quantized values must be kind 1 (int8) or 2 (int4) as "
+                                       "int8, or kind 3 (uint4) as uint8");
   if (xd.size() != 2 || yd.size() != 2 || layer.element_count() != 1 || rows.element_count() != 1 ||
       yd[0] != xd[0] || wd.size() != 5)
     return ffi::Error::InvalidArgument("ferry stacked matmul: expected x [M,K], packed w [L,P,4,KP,16E], layer [], "
                                        "rows [] and y [M,N] (gated: [M,N/2])");
   const int64_t n = gated ? 2 * yd[1] : yd[1], k = xd[1];
   const int64_t part_cols = n / groups, part_panels = (part_cols + kPanelCols - 1) / kPanelCols;
-  if (n % groups != 0 || wd[1] != groups * part_panels || wd[2] != kPanelStrips ||
-      wd[3] != (bf16 ? (k + 1) / 2 : k) || wd[4] != (bf16 ? 2 : 1) * kStripCols)
+  const int64_t rows_k = qkind == 0 ? (bf16 ? (k + 1) / 2 : k) : (qkind == 1 ? k : (k + 1) / 2);
+  if (n % groups != 0 || wd[1] != groups * part_panels || wd[2] != kPanelStrips || wd[3] != rows_k ||
+      wd[4] != (bf16 ? 2 : 1) * kStripCols)
     return ffi::Error::InvalidArgument(
         "ferry stacked matmul: w is not x's K and y's N packed in `groups` parts (native.pack_stacked)");
+  int64_t k_groups = 0;
+  bool with_offsets = false;
+  if (quant != nullptr) {
+    auto sd = quant->scales.dimensions(), od = quant->offsets.dimensions();
+    with_offsets = quant->offsets.element_count() > 0;
+    const auto same_panels = [&](decltype(sd) d) {
+      return d.size() == 5 && d[0] == wd[0] && d[1] == wd[1] && d[2] == wd[2] && d[4] == kStripCols;
+    };
+    if (quant->scales.element_type() != ffi::DataType::F32 || !same_panels(sd) || sd[3] < 1 || k % sd[3] != 0 ||
+        (with_offsets && (quant->offsets.element_type() != ffi::DataType::F32 || !same_panels(od) || od[3] != sd[3])))
+      return ffi::Error::InvalidArgument("ferry stacked matmul: scales (and offsets) must be float32 [L,P,4,G,16] "
+                                         "with G dividing K");
+    k_groups = sd[3];
+    if (qkind != 1 && k_groups > 1 && (k / k_groups) % 2 != 0)
+      return ffi::Error::InvalidArgument("ferry stacked matmul: 4-bit values need an even group size (or one group)");
+  }
   const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
   if (!(y->element_type() == ffi::DataType::F32 || (gated && y_bf16)))
     return ffi::Error::InvalidArgument("ferry stacked matmul: y must be float32 (gated: or bfloat16)");
   const bool x16 = x.element_type() == ffi::DataType::BF16;
-  if (!(x.element_type() == ffi::DataType::F32 || (x16 && bf16)))
-    return ffi::Error::InvalidArgument("ferry stacked matmul: x must be float32, or bfloat16 with bfloat16 w");
+  if (!(x.element_type() == ffi::DataType::F32 || (x16 && (bf16 || qkind != 0))))
+    return ffi::Error::InvalidArgument(
+        "ferry stacked matmul: x must be float32, or bfloat16 with bfloat16 or quantized w");
   if (wd[0] == 0) return ffi::Error::InvalidArgument("ferry stacked matmul: w has no layers");
   // Clamped like XLA's dynamic-slice clamps its start index.
   const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, wd[0] - 1);
-  const int64_t element_bytes = bf16 ? 2 : 4;
+  const int64_t element_bytes = qkind != 0 ? 1 : bf16 ? 2 : 4;
   // Only x's first `rows` rows are computed (clamped into [0, M]): a bucketed step's padding rows are left
   // unwritten, their values never read by a real row.
   const int64_t m = std::clamp<int64_t>(*rows.typed_data(), 0, xd[0]);
@@ -199,6 +265,14 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
            static_cast<float*>(y->untyped_data()), m, k, n};
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   p.w_bf16 = bf16;
+  if (quant != nullptr) {
+    const int64_t layer_scales = wd[1] * wd[2] * k_groups * kStripCols;
+    p.qkind = qkind;
+    p.k_groups = k_groups;
+    p.group = k / k_groups;
+    p.scales = static_cast<const float*>(quant->scales.untyped_data()) + l * layer_scales;
+    if (with_offsets) p.offsets = static_cast<const float*>(quant->offsets.untyped_data()) + l * layer_scales;
+  }
   p.round_bf16 = round_bf16 == 1;
   p.part_cols = part_cols;
   p.part_panels = part_panels;
@@ -210,7 +284,7 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   }
   const bool avx512 = UseAvx512Matmul();
   // bf16 dot products for every row count (one row too): a row's sums do not depend on the batch.
-  const bool dpbf16 = x16 && avx512 && UseDpbf16Matmul();
+  const bool dpbf16 = x16 && bf16 && avx512 && UseDpbf16Matmul();
   p.bf16_convert = avx512 && UseDpbf16Matmul();
   std::vector<float> widened;  // bf16 x for the float32 paths: widened once, exactly
   if (x16) {
@@ -223,8 +297,9 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   }
   MatmulWork work{&p, nullptr};
 #ifdef FERRY_HAVE_X86_TILES
-  if (avx512) work.tiles = &kAvx512Tiles[dpbf16 ? 2 : bf16 ? 1 : 0];
-  else if (UseAvx2Matmul()) work.tiles = &kAvx2Tiles[bf16 ? 1 : 0];
+  const int quant_tiles = 2 * (qkind - 1) + (with_offsets ? 1 : 0);
+  if (avx512) work.tiles = qkind != 0 ? &kAvx512QuantTiles[quant_tiles] : &kAvx512Tiles[dpbf16 ? 2 : bf16 ? 1 : 0];
+  else if (UseAvx2Matmul()) work.tiles = qkind != 0 ? &kAvx2QuantTiles[quant_tiles] : &kAvx2Tiles[bf16 ? 1 : 0];
   if (work.tiles != nullptr) p.k_block = KBlockFor(*static_cast<const PanelTiles*>(work.tiles));
 #endif
   std::vector<float> sums;  // gated, on the paths that do not fuse it: every sum, then one pass

@@ -57,6 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.kv_quant import SCALE_ELEMS, is_quantized, page_dim, quantize
 from pallas_kernels.tpu.layout import LANES, page_head_dim, page_kv_heads, round_up
 from pallas_kernels.tpu.tuned_block_sizes import ChipBlockSizes, block_sizes_for
 from pallas_kernels.triton.common import MASK_VALUE, first_visible_key, first_window_page, normalise
@@ -154,8 +155,21 @@ class _Visit:
     first_page: jax.Array | None  # sliding window: the page holding the first row's first key (None: page 0)
 
 
+def _dequantized(raw, value_dim: int, dtype):
+    """Quantized page rows raw [keys, Dp] (lanes: value_dim values, the float32 scale's 4 bytes, zeros;
+    pallas_kernels/kv_quant.py) -> value * scale [keys, Dp] in `dtype`, zeros past the values. The scale's bytes
+    put together little-endian as uint32 and bitcast (same-width bitcasts and shifts)."""
+    word = jnp.zeros((raw.shape[0], 1), jnp.uint32)
+    for byte in range(SCALE_ELEMS):
+        b = lax.bitcast_convert_type(raw[:, value_dim + byte:value_dim + byte + 1], jnp.uint8).astype(jnp.uint32)
+        word = word | (b << (8 * byte))
+    scale = lax.bitcast_convert_type(word, jnp.float32)
+    lane = lax.broadcasted_iota(jnp.int32, raw.shape, 1)
+    return jnp.where(lane < value_dim, raw.astype(jnp.float32) * scale, 0.0).astype(dtype)
+
+
 def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None, write_kv: bool,
-                  windowed: bool):
+                  windowed: bool, value_dim: int | None = None):
     """Refs, in order (the ones marked [write_kv] only when this step's K/V rows are written here, [windowed]
     only under a sliding window):
       scalar prefetch (SMEM):
@@ -178,6 +192,8 @@ def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None
         blocks_done     [1] int32 SMEM: K/V blocks used so far by this grid (the buffer parity)
         m_ref, l_ref    [Hkv, rows, LANES] f32 running max and sum (replicated over lanes)
         acc_ref         [Hkv, rows, Dp] f32 unnormalised output
+    value_dim: quantized pages (int8, float8_e4m3fn): each row's values (head_dim), then its scale; K/V are
+    dequantized to q's dtype in VMEM (_dequantized). None: float pages.
     """
     refs = list(refs)
     tables_ref, lens_ref, qsl_ref, block_seqs_ref = refs[:4]
@@ -269,6 +285,8 @@ def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None
             q = q_ref[h].reshape(rows, dp)
             k = k_buf[slot, :, :, h, :].reshape(keys_per_block, dp)
             val = v_buf[slot, :, :, h, :].reshape(keys_per_block, dp)
+            if value_dim is not None:
+                k, val = _dequantized(k, value_dim, q_ref.dtype), _dequantized(val, value_dim, q_ref.dtype)
             val = jnp.where(v_ok, val, jnp.zeros_like(val))  # garbage past the context must not leak
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32) * scale
@@ -438,10 +456,12 @@ def write_kv_and_attend_tpu(
     then attention as ragged_paged_attention_tpu, in one kernel: -> (out, k_pages, v_pages), the pages updated
     in place (aliased: no scatter per layer, no copy of the pool). The new rows land before any page is read."""
     num_kv_heads = k.shape[1]
-    page_shape = (page_kv_heads(num_kv_heads, k_pages.dtype), page_head_dim(k.shape[-1]))
+    page_shape = (page_kv_heads(num_kv_heads, k_pages.dtype), page_head_dim(page_dim(k.shape[-1], k_pages.dtype)))
     if k_pages.shape[2:] != page_shape:
         raise ValueError(f"pages of {k_pages.shape[2:]} (heads, dim): the fused K/V write needs them padded to "
                          f"{page_shape} (Kernels.kv_page_dims)")
+    if is_quantized(k_pages.dtype):  # the rows quantized here, each with its scale (pallas_kernels/kv_quant.py)
+        k, v = quantize(k, k_pages.dtype), quantize(v, v_pages.dtype)
     pad = ((0, 0), (0, page_shape[0] - num_kv_heads), (0, page_shape[1] - k.shape[-1]))
     new_kv = (jnp.pad(k, pad).astype(k_pages.dtype), jnp.pad(v, pad).astype(v_pages.dtype),
               slot_mapping.astype(jnp.int32))
@@ -472,10 +492,14 @@ def _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_lo
     elif query_start_loc is None or query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"prefill: query_start_loc must be [{num_seqs + 1}], got "
                          f"{None if query_start_loc is None else query_start_loc.shape}")
-    dp = page_head_dim(head_dim)
+    quantized = is_quantized(k_pages.dtype)
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages {k_pages.dtype} and v_pages {v_pages.dtype} differ")
+    stored_dim = page_dim(head_dim, k_pages.dtype)  # a quantized row's scale after its values
+    dp = page_head_dim(stored_dim)
     if cache_dim != dp:  # a cache stored at head_dim (tests, tpu_check): padded lanes of zeros
-        if cache_dim != head_dim:
-            raise ValueError(f"pages' last dim {cache_dim} is neither {head_dim} nor {dp}")
+        if cache_dim != stored_dim:
+            raise ValueError(f"pages' last dim {cache_dim} is neither {stored_dim} nor {dp}")
         pad = ((0, 0), (0, 0), (0, 0), (0, dp - cache_dim))
         k_pages, v_pages = jnp.pad(k_pages, pad), jnp.pad(v_pages, pad)
     group = num_q_heads // num_kv_heads
@@ -533,7 +557,7 @@ def _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_lo
         aliases = {len(prefetch) + 1: 1, len(prefetch) + 2: 2}  # k_pages -> k_out, v_pages -> v_out
     kernel = functools.partial(_ragged_kernel, table_width=table_width, scale=float(scale),
                                soft_cap=None if soft_cap is None else float(soft_cap), write_kv=new_kv is not None,
-                               windowed=windowed)
+                               windowed=windowed, value_dim=head_dim if quantized else None)
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kv_quant import SCALE_ELEMS, is_quantized
+
 try:  # jax >= 0.4.3x: the Triton backend lives in pallas.triton
     from jax.experimental.pallas import triton as plgpu
 except ImportError:
@@ -186,7 +188,13 @@ def attend_pages(q, k_ref, v_ref, tables_ref, seq, kv_head, *, first_page=None, 
     clamped into bounds, and feature_ok [Dp] says which are real. key_mask(key_ok [tile],
     key_pos [tile]) gives the [M, tile] bool mask of the keys each row sees. first_page None
     means 0. Returns (acc [M, Dp] f32, running max m [M] f32, running sum l [M] f32).
+
+    Quantized pages (int8, float8_e4m3fn; pallas_kernels/kv_quant.py: a row's D values, then its float32
+    scale's 4 bytes) are gathered the same way, with each key's scale (load_scales), and dequantized to q's
+    dtype before the dots: value * scale, in float32 first.
     """
+    quantized = is_quantized(k_ref.dtype)
+    head_dim = k_ref.shape[3] - SCALE_ELEMS if quantized else None
     block_size, table_width = k_ref.shape[1], tables_ref.shape[1]
     rows, head_dim_padded = q.shape
     t = jnp.arange(pages_per_step * block_size)
@@ -205,8 +213,12 @@ def attend_pages(q, k_ref, v_ref, tables_ref, seq, kv_head, *, first_page=None, 
         key_ok = page_ok & (key_pos < kv_len)  # [tile]
         kv_idx = (page[:, None], slot[:, None], kv_head, feature[None, :])
         kv_mask = key_ok[:, None] & feature_ok[None, :]
-        k = masked_load(k_ref, kv_idx, kv_mask, 0)  # [tile, Dp]; masked keys are zeros ...
-        v = masked_load(v_ref, kv_idx, kv_mask, 0)  # ... so NaN in unused slots cannot leak
+        if quantized:  # no `other` (Triton casts no constant to float8): the masked lanes are zeroed after
+            k = dequantized_load(k_ref, kv_idx, kv_mask, page, slot, kv_head, head_dim, key_ok, q.dtype)
+            v = dequantized_load(v_ref, kv_idx, kv_mask, page, slot, kv_head, head_dim, key_ok, q.dtype)
+        else:
+            k = masked_load(k_ref, kv_idx, kv_mask, 0)  # [tile, Dp]; masked keys are zeros ...
+            v = masked_load(v_ref, kv_idx, kv_mask, 0)  # ... so NaN in unused slots cannot leak
         return online_softmax_step(q, k, v, key_mask(key_ok, key_pos), carry, scale=scale,
                                    soft_cap=soft_cap, precision=precision)
 
@@ -214,6 +226,21 @@ def attend_pages(q, k_ref, v_ref, tables_ref, seq, kv_head, *, first_page=None, 
              jnp.full((rows,), MASK_VALUE, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
     return lax.fori_loop(0, num_steps, body, carry)
+
+
+def dequantized_load(pages_ref, idx, mask, page, slot, kv_head, head_dim: int, key_ok, dtype):
+    """Quantized page rows [tile, Dp] at `idx` as value * scale in `dtype` (float32 first), zeros where not
+    `mask`. Each row's float32 scale: its 4 bytes after the head_dim values, gathered one byte at a time (a page
+    holds no float32 to load), put together little-endian as uint32 and bitcast (same-width bitcasts and
+    shifts: what Triton has)."""
+    values = masked_load(pages_ref, idx, mask, None)
+    word = jnp.zeros(page.shape, jnp.uint32)
+    for byte in range(SCALE_ELEMS):
+        b = masked_load(pages_ref, (page, slot, kv_head, head_dim + byte), key_ok, None)
+        b = lax.bitcast_convert_type(b, jnp.uint8).astype(jnp.uint32)
+        word = word | (b << (8 * byte))
+    scale = lax.bitcast_convert_type(word, jnp.float32)
+    return jnp.where(mask, values.astype(jnp.float32) * scale[:, None], 0.0).astype(dtype)
 
 
 def normalise(acc, l):
@@ -229,7 +256,9 @@ def paged_cache_dims(q, k_pages, v_pages):
     q [rows, Hq, D]."""
     num_q_heads, head_dim = q.shape[1:]
     num_blocks, block_size, num_kv_heads, head_dim_k = k_pages.shape
-    if k_pages.shape != v_pages.shape or head_dim_k != head_dim:
+    if is_quantized(k_pages.dtype):  # each row's scale after the values (pallas_kernels/kv_quant.py)
+        head_dim_k -= SCALE_ELEMS
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype or head_dim_k != head_dim:
         raise ValueError(f"q {q.shape} / k_pages {k_pages.shape} / v_pages {v_pages.shape} mismatch")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads not divisible by {num_kv_heads} KV heads")

@@ -43,6 +43,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from pallas_kernels.kv_quant import is_quantized
 from pallas_kernels.triton.common import (
     MASK_VALUE,
     MIN_DOT_DIM,
@@ -52,7 +53,7 @@ from pallas_kernels.triton.common import (
 )
 from pallas_kernels.triton.prefill import tile_table
 
-_TRITON_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_TRITON_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "i8", "float8_e4m3fn": "fp8e4nv"}
 _MASKED = tl.constexpr(MASK_VALUE)  # a Triton kernel reads only constexpr globals
 
 
@@ -80,6 +81,8 @@ def _ragged_paged_attention_kernel(
     DOT_IN_F32: tl.constexpr,       # interpreter only, for 16-bit inputs (see run_interpreted)
     WINDOWED: tl.constexpr,         # a sliding window: the tile table's sixth column
     TILE_COLS: tl.constexpr,        # the tile table's columns: 5, 6 when WINDOWED
+    PAGE_DIM: tl.constexpr,         # a page row's elements per KV head: HEAD_DIM, or HEAD_DIM + 4 quantized
+    QUANTIZED: tl.constexpr,        # int8 / float8_e4m3fn pages: each row its values, then its float32 scale
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,11 +129,26 @@ def _ragged_paged_attention_kernel(
         page = tl.load(tables_ptr + seq * TABLE_WIDTH + logical_page, mask=page_ok, other=0)
         key_pos = logical_page * BLOCK_SIZE + slot
         key_ok = page_ok & (key_pos < kv_len)
-        kv_offsets = ((page.to(tl.int64) * BLOCK_SIZE + slot) * NUM_KV_HEADS + kv_head)[:, None] \
-            * HEAD_DIM + d[None, :]
+        row_offsets = ((page.to(tl.int64) * BLOCK_SIZE + slot) * NUM_KV_HEADS + kv_head) * PAGE_DIM
+        kv_offsets = row_offsets[:, None] + d[None, :]
         kv_mask = key_ok[:, None] & col_ok[None, :]
-        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)  # masked keys are zeros, so
-        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)  # NaN in unused slots can't leak
+        if QUANTIZED:  # value * scale; the scale's 4 bytes after the values, little-endian; masked: zeros
+            k = tl.load(k_ptr + kv_offsets, mask=kv_mask)
+            v = tl.load(v_ptr + kv_offsets, mask=kv_mask)
+            k_word = tl.zeros((PAGES_PER_STEP * BLOCK_SIZE,), tl.uint32)
+            v_word = tl.zeros((PAGES_PER_STEP * BLOCK_SIZE,), tl.uint32)
+            for byte in tl.static_range(4):
+                kb = tl.load(k_ptr + row_offsets + HEAD_DIM + byte, mask=key_ok)
+                vb = tl.load(v_ptr + row_offsets + HEAD_DIM + byte, mask=key_ok)
+                k_word = k_word | (kb.to(tl.uint8, bitcast=True).to(tl.uint32) << (8 * byte))
+                v_word = v_word | (vb.to(tl.uint8, bitcast=True).to(tl.uint32) << (8 * byte))
+            k_scale = k_word.to(tl.float32, bitcast=True)[:, None]
+            v_scale = v_word.to(tl.float32, bitcast=True)[:, None]
+            k = tl.where(kv_mask, k.to(tl.float32) * k_scale, 0.0).to(q.dtype)
+            v = tl.where(kv_mask, v.to(tl.float32) * v_scale, 0.0).to(q.dtype)
+        else:
+            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)  # masked keys are zeros, so
+            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)  # NaN in unused slots can't leak
         if DOT_IN_F32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -179,9 +197,10 @@ class Launch:
 
 def plan_launch(q_shape, k_shape, dtype, *, num_seqs: int, table_width: int, decode: bool,
                 scale: float, soft_cap: float | None, block_q: int | None = None,
-                windowed: bool = False) -> Launch:
+                windowed: bool = False, kv_dtype=None) -> Launch:
     """The launch for q [T, Hq, D] over pages k [N, bs, Hkv, D] of `num_seqs` sequences whose
-    block tables are `table_width` pages wide; `windowed`: under a sliding window.
+    block tables are `table_width` pages wide; `windowed`: under a sliding window; `kv_dtype`: the pages'
+    (default: q's), int8 / float8_e4m3fn for quantized pages ([..., D + 4]: pallas_kernels/kv_quant.py).
 
     Decode tiles are one row (block_q 1) with the head group padded to 16 rows for the dot;
     prefill tiles are ~64 query rows (~32 for float32), as in the Pallas prefill kernel.
@@ -209,7 +228,7 @@ def plan_launch(q_shape, k_shape, dtype, *, num_seqs: int, table_width: int, dec
         HEAD_DIM_PADDED=head_dim_padded, PAGES_PER_STEP=pages_per_step, SCALE=float(scale),
         SOFT_CAP=0.0 if soft_cap is None else float(soft_cap),
         DOT_PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32", DOT_IN_F32=False,
-        WINDOWED=windowed, TILE_COLS=6 if windowed else 5)
+        WINDOWED=windowed, TILE_COLS=6 if windowed else 5, PAGE_DIM=k_shape[3], QUANTIZED=is_quantized(kv_dtype))
     return Launch(num_tiles, num_kv_heads, block_q, num_warps, num_stages, constexprs)
 
 
@@ -228,7 +247,8 @@ def _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
         raise ValueError(f"query_start_loc {query_start_loc.shape} does not match context_lens")
     launch = plan_launch(q.shape, k_pages.shape, q.dtype, num_seqs=num_seqs,
                          table_width=block_tables.shape[1], decode=decode, scale=scale,
-                         soft_cap=soft_cap, block_q=block_q, windowed=sliding_window is not None)
+                         soft_cap=soft_cap, block_q=block_q, windowed=sliding_window is not None,
+                         kv_dtype=k_pages.dtype)
     tiles = tile_table(jnp.asarray(query_start_loc), jnp.asarray(context_lens), q.shape[0],
                        launch.block_q, launch.num_tiles, sliding_window)
     return launch, tiles
@@ -309,6 +329,8 @@ def run_interpreted(q, k_pages, v_pages, block_tables, context_lens, query_start
         x = jnp.asarray(x)
         if x.dtype == jnp.bfloat16:  # numpy has no bfloat16: go through float32 (exact)
             return torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16)
+        if x.dtype == jnp.float8_e4m3fn:  # nor float8: its bits
+            return torch.from_numpy(np.asarray(x).view(np.uint8).copy()).view(torch.float8_e4m3fn)
         return torch.from_numpy(np.array(x))
 
     # The output is float32 here, rounded to q's dtype by jnp below: the interpreter's own
@@ -329,9 +351,10 @@ def run_interpreted(q, k_pages, v_pages, block_tables, context_lens, query_start
 
 def compile_for_gpu(q_shape, k_shape, dtype, *, table_width: int, num_seqs: int, decode: bool,
                     compute_capability: int, scale: float = 1.0,
-                    soft_cap: float | None = None, windowed: bool = False) -> dict:
+                    soft_cap: float | None = None, windowed: bool = False, kv_dtype=None) -> dict:
     """Compile the kernel for CUDA `compute_capability` (80, 90, ...) with no GPU present;
-    `windowed`: the sliding-window form (the window's value is in the tile table, not compiled in).
+    `windowed`: the sliding-window form (the window's value is in the tile table, not compiled in);
+    `kv_dtype`: the pages' (default `dtype`; int8 / float8_e4m3fn: quantized, k_shape [..., D + 4]).
 
     Returns Triton's assembly stages by name ("ttir", "ttgir", "llir", "ptx", "cubin"), plus
     "shared": the bytes of shared memory a program needs.
@@ -340,10 +363,11 @@ def compile_for_gpu(q_shape, k_shape, dtype, *, table_width: int, num_seqs: int,
     from triton.compiler import ASTSource
 
     launch = plan_launch(q_shape, k_shape, dtype, num_seqs=num_seqs, table_width=table_width,
-                         decode=decode, scale=scale, soft_cap=soft_cap, windowed=windowed)
+                         decode=decode, scale=scale, soft_cap=soft_cap, windowed=windowed, kv_dtype=kv_dtype)
     constexprs = launch.constexprs
     elem = "*" + _TRITON_DTYPES[jnp.dtype(dtype).name]
-    signature = {"tiles_ptr": "*i32", "q_ptr": elem, "k_ptr": elem, "v_ptr": elem,
+    kv_elem = "*" + _TRITON_DTYPES[jnp.dtype(kv_dtype or dtype).name]
+    signature = {"tiles_ptr": "*i32", "q_ptr": elem, "k_ptr": kv_elem, "v_ptr": kv_elem,
                  "tables_ptr": "*i32", "out_ptr": elem, **{name: "constexpr" for name in constexprs}}
     source = ASTSource(_ragged_paged_attention_kernel, signature, constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),

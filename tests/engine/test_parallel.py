@@ -19,10 +19,10 @@ from engine.config import EngineConfig
 from engine.data_parallel import DataParallelEngine
 from engine.entrypoints.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
-from helpers.hf_models import ARCHS, check_greedy_match, hf_greedy, make_hf_model, make_text_model
+from helpers.hf_models import ARCHS, check_greedy_match, hf_greedy, load_weights_into, make_hf_model, make_text_model
 from helpers.repo import ROOT as REPO_ROOT
 from models.config import ModelConfig
-from models.loading import random_model
+from models.loading import load_model, quantize_model, random_model
 from models.tokenizers.load import load_tokenizer
 
 ROOT = str(REPO_ROOT)
@@ -43,7 +43,8 @@ def _fresh_seed():
 
 # The driver's sections, split over two processes that run side by side (the data-parallel runs compile both
 # samplers' programs on every replica's devices: about as long as all the rest).
-DRIVER_PARTS = (("tensor_parallel", "preemption"), ("data_parallel",))
+DRIVER_PARTS = (("tensor_parallel", "preemption", "quantized"), ("data_parallel",))
+QUANTIZATIONS = (("int8", 32), ("int4", 32))  # (method, int4's group: 2 groups of the 64 hidden features)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def parallel_run(tmp_path_factory):
     job = {"models": {arch: str(root / arch) for arch in models}, "prompts": prompts, "max_tokens": MAX_TOKENS,
            "config": CONFIG, "tp_sizes": TP_SIZES, "inspect_arch": INSPECT, "seed": seed,
            # 3 prompts of up to 52 tokens need 14 blocks of 8 at once; 9 usable ones force preemption
-           "tight_num_blocks": 10,
+           "tight_num_blocks": 10, "quantizations": QUANTIZATIONS,
            "dp_prompts": [rng.integers(3, 384, size=int(rng.integers(3, 50))).tolist() for _ in range(10)]}
     env = _env(XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4")
     procs = []
@@ -69,6 +70,10 @@ def parallel_run(tmp_path_factory):
                                            str(root / f"job{i}.json"), str(root / f"out{i}.json")], env=env,
                                           stdout=open(root / f"driver{i}.log", "w"), stderr=subprocess.STDOUT))
         refs = {arch: [hf_greedy(model, p, MAX_TOKENS) for p in prompts] for arch, model in models.items()}
+        for method, group in QUANTIZATIONS:  # transformers on the weights quantized on load, dequantized
+            quantized = quantize_model(load_model(str(root / INSPECT)), method, group)
+            load_weights_into(models[INSPECT], quantized)
+            refs[f"{INSPECT}/{method}"] = [hf_greedy(models[INSPECT], p, MAX_TOKENS) for p in prompts]
         for i, proc in enumerate(procs):
             assert proc.wait(CHILD_TIMEOUT_S) == 0, (root / f"driver{i}.log").read_text()[-4000:]
     finally:
@@ -132,6 +137,20 @@ def test_each_device_holds_its_share_of_weights_and_cache(parallel_run, tp):
         assert size == place["kv_total"] // tp, (device, size)
     # TP 4 over 2 KV heads: each head twice, one per device
     assert place["num_kv_heads"] == max(2, tp) and place["kv_shape"][3] == max(2, tp)
+
+
+@pytest.mark.parametrize("method", [m for m, _ in QUANTIZATIONS])
+def test_quantized_weights_shard_and_match_transformers(parallel_run, method):
+    """A model quantized on load at TP 1/2/4 against transformers on the same weights dequantized: the packed
+    values, their scales and offsets split consistently; at TP 2 each device holds half of the sharded bytes."""
+    seed, _, out, refs = parallel_run
+    for tp in TP_SIZES:
+        _check(out["quantized"][f"{method}/{tp}"], refs[f"{INSPECT}/{method}"], f"{method} TP {tp} (seed {seed})")
+    place = out["quantized_placement"][method]
+    sharded = place["params_total"] - place["params_replicated"]
+    assert place["params_replicated"] < sharded / 4, place
+    for device, size in place["params_per_device"].items():
+        assert size == sharded // 2 + place["params_replicated"], (device, size)
 
 
 def test_data_parallel_replicas_match_one_replica_and_share_the_work(parallel_run):

@@ -7,6 +7,7 @@ written with `save_pretrained`, exactly as a user's checkpoint directory would l
 
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -170,3 +171,25 @@ def make_text_model(tmp_path_factory, seed: int, chat_template: str | None = Non
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / name, out / name)
     return str(out), torch_model
+
+
+def load_weights_into(torch_model, loaded) -> None:
+    """Copy a Ferry model's weights into the torch model of the same architecture, quantized ones dequantized
+    (models/quantization.py): transformers on exactly the weights Ferry serves (a quantized embedding is held
+    as the tied head's [D, V] kernel). The reference for quantized models."""
+    from models.checkpoints.tensors import hf_to_ferry_name, per_layer_tensors, unfuse_projections  # noqa: PLC0415
+    from models.quantization import is_quantized  # noqa: PLC0415
+
+    params = jax.tree.map(lambda a: a.dequantize() if is_quantized(a) else a, loaded.params(), is_leaf=is_quantized)
+    tensors = unfuse_projections(per_layer_tensors(params), loaded.cfg)
+    state = torch_model.state_dict()
+    with torch.no_grad():
+        for name, param in torch_model.named_parameters():
+            ferry, transpose = hf_to_ferry_name(name)
+            if name == "lm_head.weight" and loaded.cfg.tie_word_embeddings:
+                continue
+            value = np.array(tensors[ferry], np.float32)
+            if ferry == "embed_tokens.embedding" and is_quantized(loaded.params()["embed_tokens"]["embedding"]):
+                value = value.T
+            state[name].copy_(torch.from_numpy(np.ascontiguousarray(value.T if transpose else value)))
+            assert tuple(param.shape) == tuple(state[name].shape)

@@ -96,7 +96,23 @@ def data_parallel(job) -> dict:
     return out
 
 
-SECTIONS = {"tensor_parallel": tensor_parallel, "preemption": preemption, "data_parallel": data_parallel}
+def quantized(job) -> dict:
+    """The inspected model quantized on load (int8 per channel, int4 in groups) at every TP size, and each
+    TP 2 shard's bytes of the packed weights."""
+    out = {"quantized": {}, "quantized_placement": {}}
+    model_dir = job["models"][job["inspect_arch"]]
+    for method, group in job["quantizations"]:
+        for tp in job["tp_sizes"]:
+            llm, tokens = greedy(job, model_dir, tensor_parallel_size=tp, quantization=method,
+                                 quantization_group_size=group)
+            out["quantized"][f"{method}/{tp}"] = tokens
+            if tp == 2:
+                out["quantized_placement"][method] = placement(llm)
+    return out
+
+
+SECTIONS = {"tensor_parallel": tensor_parallel, "preemption": preemption, "data_parallel": data_parallel,
+            "quantized": quantized}
 
 
 def main(job_path, out_path):

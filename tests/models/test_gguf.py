@@ -33,6 +33,7 @@ from models import packaged
 from models.checkpoints.gguf import unpermute_rows
 from models.config import ConfigError
 from models.loading import load_model
+from models.quantization import is_quantized
 from models.tokenizers.load import load_tokenizer
 
 NUM_NEW = 16
@@ -111,7 +112,10 @@ def test_config_and_weights_are_the_files(case):
         hf.vocab_size, hf.intermediate_size)
     assert cfg.tie_word_embeddings == hf.tie_word_embeddings and cfg.qkv_bias == (hf.model_type == "qwen2")
     assert loaded.max_model_len == hf.max_position_embeddings and cfg.eos_token_ids == (hf.eos_token_id,)
-    params = loaded.params()
+    # The file's blocks stay quantized (models/quantization.py); compared here dequantized
+    assert is_quantized(loaded.params()["layers"]["self_attn"]["qkv_proj"]["kernel"]) == (
+        case.matrix_type in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)), case.name
+    params = jax.tree.map(lambda a: a.dequantize() if is_quantized(a) else a, loaded.params(), is_leaf=is_quantized)
     ref = dict(case.ref.named_parameters())
     src = dict(case.source.named_parameters())
     layer = jax.tree.map(lambda stacked: stacked[1], params["layers"])  # layer 1 of the stack
@@ -183,7 +187,9 @@ def test_k_quants_match_transformers(tmp_path):
     path = write_gguf(source, tmp_path / "model.gguf", kinds, tokenizer=None, seed=seed)
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     loaded = load_model(str(path))
-    layer = jax.tree.map(lambda stacked: stacked[0], loaded.params()["layers"])  # layer 0 of the stack
+    # layer 0 of the stack; Q4_K/Q5_K/Q6_K stay packed (with Q2_K/Q3_K dequantized in one fusion: float)
+    params = jax.tree.map(lambda a: a.dequantize() if is_quantized(a) else a, loaded.params(), is_leaf=is_quantized)
+    layer = jax.tree.map(lambda stacked: stacked[0], params["layers"])
     ref_layer = ref.model.layers[0]
     for module, proj in (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                          ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj")):
@@ -210,11 +216,15 @@ def test_linear_rope_scaling_from_metadata(tmp_path):
 
 
 def test_dtype_is_the_files_or_the_requested_one(case):
-    """Unasked, an all-F16 file stays float16; a quantized one dequantizes to float32."""
+    """Unasked, an all-F16 file stays float16; a quantized one's float parameters (norms) are float32, its
+    blocks stay packed with float32 scales."""
     own = "float16" if case.matrix_type == Q.F16 else "float32"
     for asked, want in ((None, own), ("bfloat16", "bfloat16")):
         loaded = load_model(str(case.path), dtype=asked)
-        assert {leaf.dtype for leaf in jax.tree.leaves(loaded.params())} == {np.dtype(want)}, asked
+        params = loaded.params()
+        floats = [leaf for leaf in jax.tree.leaves(params, is_leaf=is_quantized) if not is_quantized(leaf)]
+        assert {leaf.dtype for leaf in floats} == {np.dtype(want)}, asked
+        assert loaded.dtype == np.dtype(want)
 
 
 def test_clear_errors(case, tmp_path):

@@ -142,3 +142,18 @@ def test_kv_cache_usage(tmp_path):
     # the peak also a chunk's (64 tokens: 4 blocks), or the decodes' one more full-attention block
     assert windows["after_prefill_blocks"] <= 32 + 3 and windows["peak_blocks"] <= 33 + 3 + 4
     assert windows["peak_gib"] < 0.6 * plain["peak_gib"]
+
+
+def test_bench_quantization(tmp_path):
+    """Every weight format of the packaged SmolLM2 GGUF at a tiny workload: the table, the JSON, the engine's
+    weight bytes in the formats' order (float32 > bfloat16 > int8 > int4)."""
+    out = tmp_path / "quant.json"
+    stdout = _run(["scripts/bench_quantization.py", "--prompt_len=8", "--output_len=4", "--batch=2", "--rounds=1",
+                   f"--json_out={out}"], tmp_path)
+    assert "decode ms/tok" in stdout
+    rows = json.load(open(out))["rows"]
+    assert list(rows) == ["float32", "bfloat16", "int8", "int4", "gguf"]
+    sizes = [rows[name]["weights_bytes"] for name in ("float32", "bfloat16", "int8", "int4")]
+    assert sizes == sorted(sizes, reverse=True) and sizes[3] < sizes[0] / 4, sizes
+    for r in rows.values():
+        assert r["decode_ms_per_token"] > 0 and r["batch_tokens_per_s"] > 0

@@ -325,6 +325,9 @@ def test_metrics_move_with_the_traffic(server, client):
     assert delta(before, after, "ferry:inter_token_latency_seconds_count") >= 5 + 4
     for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc"):
         assert after[f"ferry:{gauge}"] == 0, gauge
+    # the engine's memory accounting (LLMEngine.memory): weights as stored, the KV cache
+    assert after["ferry:weight_bytes"] > 0 and after["ferry:kv_bytes_per_token"] > 0
+    assert after["ferry:kv_cache_bytes"] >= 16 * after["ferry:kv_bytes_per_token"]
 
 
 def _hang_up_once_running(server: RunningServer, body: dict, wait_for_data: bool) -> None:
