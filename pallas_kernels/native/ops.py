@@ -10,7 +10,7 @@ and bfloat16, q and pages of one dtype, or float32 q over bfloat16 pages: a bf16
 float32 model, or quantized int8 / float8_e4m3fn pages (pallas_kernels/kv_quant.py); GQA/MQA; any
 head_dim and block size; optional soft cap and sliding window).
 `stacked_matmul(x, packed, layer, n=N)` is x @ w[layer] for a [L, K, N] stack of weights (float32 or bfloat16, or
-a models.quantization.QuantizedWeight of int8, int4 or uint4 values with per-group scales and offsets) packed once
+a pallas_kernels.quantized.QuantizedWeight of int8, int4 or uint4 values with per-group scales and offsets) packed once
 by `pack_stacked`, reading that layer's panels in place (the scanned decoder layers' linears: XLA CPU copies a
 dynamic slice before its library dot). `packed_columns` reads columns back from a packed stack (a tied
 embedding table from the packed LM head).
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.native import library
+from pallas_kernels.quantized import QuantizedWeight, is_quantized
 
 DECODE_TARGET = "ferry_paged_decode_attention"
 PREFILL_TARGET = "ferry_paged_prefill_attention"
@@ -133,7 +134,6 @@ QUANTIZED_KINDS = {"int8": 1, "int4": 2, "uint4": 3}  # the kernel's kind attrib
 
 
 def _is_quantized(w) -> bool:
-    from models.quantization import is_quantized  # noqa: PLC0415 (models imports this module)
     return is_quantized(w)
 
 
@@ -171,7 +171,6 @@ def quantized_kind(packed, k: int) -> str:
 
 def _pack_quantized(w, groups: int):
     """pack_stacked for a QuantizedWeight [L, K, N] (see pack_stacked)."""
-    from models.quantization import QuantizedWeight  # noqa: PLC0415
     values, scales, offsets = w.values, w.scales, w.offsets
     dtype = jnp.dtype(values.dtype)
     if dtype not in (jnp.dtype(jnp.int8), jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)):
@@ -208,7 +207,6 @@ def _pack_quantized(w, groups: int):
 
 
 def _unpack_quantized(packed, k: int, n: int, groups: int):
-    from models.quantization import QuantizedWeight  # noqa: PLC0415
     kind = quantized_kind(packed, k)
     values = _unpanel(packed.values, n, groups)
     if kind != "int8":
