@@ -271,20 +271,14 @@ def pack_stacked(w, groups: int = 1):
     fp8 (or any other value dtype) is a ValueError."""
     if _is_quantized(w):
         return _pack_quantized(w, groups)
-    panel_cols, strip_cols, strips = panel_layout()
     num_layers, k, n = w.shape
-    if n % groups:
-        raise ValueError(f"pack_stacked: N {n} does not split into {groups} equal parts")
-    part = n // groups
-    panels_per_part = -(-part // panel_cols)
-    w = w.reshape(num_layers, k, groups, part)
-    w = jnp.pad(w, ((0, 0), (0, 0), (0, 0), (0, panels_per_part * panel_cols - part)))
-    w = w.reshape(num_layers, k, groups * panels_per_part, strips, strip_cols)  # [L, K, P, 4, 16]
+    panels = _panels(w, groups)  # [L, P, 4, K, 16]
     if jnp.dtype(w.dtype) != jnp.bfloat16:
-        return w.transpose(0, 2, 3, 1, 4)
-    w = jnp.pad(w, ((0, 0), (0, k % 2), (0, 0), (0, 0), (0, 0)))
-    w = w.reshape(num_layers, (k + 1) // 2, 2, groups * panels_per_part, strips, strip_cols)
-    return w.transpose(0, 3, 4, 1, 5, 2).reshape(packed_shape(num_layers, k, n, w.dtype, groups))
+        return panels
+    panels = jnp.pad(panels, ((0, 0), (0, 0), (0, 0), (0, k % 2), (0, 0)))
+    num_panels, strips, _, strip_cols = panels.shape[1:]
+    panels = panels.reshape(num_layers, num_panels, strips, (k + 1) // 2, 2, strip_cols).swapaxes(-1, -2)
+    return panels.reshape(packed_shape(num_layers, k, n, w.dtype, groups))
 
 
 def unpack_stacked(packed, k: int, n: int, groups: int = 1):
