@@ -35,6 +35,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True     # reuse the K/V of cached leading prompt blocks (kv_cache_manager)
     tensor_parallel_size: int = 1          # devices one model is split over (models/sharding.py)
     data_parallel_size: int = 1            # independent replicas, each on its own tensor_parallel_size devices
+    expert_parallel: bool = False          # MoE models on tensor_parallel_size devices: each device holds whole
+                                           # experts (False: a share of every expert's units; models/moe.py)
     scan_layers: bool = True               # one scanned layer (compile time independent of depth); False:
                                            # layers unrolled, compile time ~ depth
     async_scheduling: bool = True          # plan and dispatch the next decode step while the last one runs,

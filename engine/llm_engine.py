@@ -37,7 +37,7 @@ from engine.worker.model_runner import AsyncModelRunnerOutput, DeviceStateLost, 
 from engine.worker.multihost import agree_min
 from models.loading import LoadedModel, load_model, quantize_model, unstack_layers
 from models.mesh import engine_devices, loading_device, make_mesh
-from models.paged import kv_cache_groups
+from models.paged import cache_page_dims, kv_cache_groups
 from models.quantization import weight_bytes
 from models.sharding import shard_model
 from models.tokenizers.load import load_tokenizer
@@ -130,7 +130,7 @@ class LLMEngine:
         if config.quantization is not None:
             with jax.default_device(loading_device(mesh)):
                 model = quantize_model(model, config.quantization, config.quantization_group_size)
-        model = shard_model(model, mesh)
+        model = shard_model(model, mesh, config.expert_parallel)
         kv_dtype = resolve_kv_dtype(config.kv_dtype) if config.kv_dtype else jnp.dtype(model.dtype)
         # What the steps run, from the platform of the devices they are compiled for
         kernels = Kernels.for_mesh(mesh, model.dtype, kv_dtype, config.attention_impl)
@@ -144,7 +144,7 @@ class LLMEngine:
         max_model_len = min(config.max_model_len or model.max_model_len, model.max_model_len)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         kv_groups = kv_cache_groups(model.cfg)
-        page_dims = kernels.kv_page_dims(model.cfg.num_kv_heads, model.cfg.head_dim, kv_dtype, mesh.size)
+        page_dims = cache_page_dims(model.cfg, kernels, kv_dtype, mesh.size)
         num_blocks = config.num_blocks or num_blocks_for_memory(
             model.cfg, config.block_size, kv_dtype, config.memory_fraction,
             cap_blocks=1 + config.max_num_seqs * math.ceil(max_model_len / config.block_size) * kv_groups.num_groups,

@@ -9,7 +9,10 @@ from typing import Any
 import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "phi3",
-                         "olmo2", "granite")
+                         "olmo2", "granite", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
+# Mixture-of-experts families (models/moe.py): their MLPs are sparse MoE blocks (DeepSeek: after the first
+# first_k_dense_replace layers).
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Decoder layer norm layouts: "pre" (Llama: input_layernorm before attention, post_attention_layernorm before the
@@ -64,6 +67,41 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     sliding_window: int | None = None  # the window of the layers whose type is "sliding_attention"
     layer_types: tuple[str, ...] = ()  # per layer, LAYER_TYPES; () = every layer full attention
+    attention_sinks: bool = False   # gpt-oss: a learned logit per query head in each softmax's denominator
+    # Mixture of experts (models/moe.py; num_experts 0: a dense MLP). Routing: router logits x @ gate; scores by
+    # router_scoring over all experts; the top num_experts_per_tok; their weights renormalised to sum 1 where
+    # norm_topk_prob. gpt-oss instead takes the top-k logits and softmaxes those (router_topk_first).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    router_scoring: str = "softmax"
+    router_topk_first: bool = False
+    norm_topk_prob: bool = False
+    router_bias: bool = False           # gpt-oss: the router has a bias
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token also takes
+    shared_expert_gate: bool = False    # Qwen2-MoE: the shared expert's output times sigmoid(x @ w)
+    expert_bias: bool = False           # gpt-oss: biases on the experts' projections
+    swiglu_limit: float | None = None   # gpt-oss: its clamped SwiGLU (gate <= limit, |up| <= limit)
+    swiglu_alpha: float = 1.702
+    # DeepSeek-V3's router: sigmoid scores, a correction bias added to choose (not to weigh) the experts, the
+    # experts in num_expert_groups groups of which the topk_groups best (by their top two scores) are eligible,
+    # the weights times routed_scaling_factor. Its first first_k_dense layers keep a dense MLP.
+    router_correction_bias: bool = False
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense: int = 0
+    # DeepSeek's multi-head latent attention (models/mla.py; kv_lora_rank 0: none). Its KV cache holds per token
+    # one latent row [kv_lora_rank normed | qk_rope_head_dim roped] shared by every head; head_dim is then the
+    # rotary part's width, and num_kv_heads 1.
+    q_lora_rank: int = 0            # 0: q_proj, else q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False   # the rotary features in interleaved pairs (x0, x1), (x2, x3), ...
+    # Set by models/sharding.shard_model, not read from a checkpoint: on a mesh the experts are split by experts
+    # (expert parallel) rather than by each expert's intermediate units (tensor parallel).
+    expert_parallel: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -75,6 +113,18 @@ class ModelConfig:
         if not self.layer_types:
             return (0,) * self.num_layers
         return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in self.layer_types)
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """(arrays, heads, head dim) of each layer's KV cache: K and V pages of num_kv_heads x head_dim, or (MLA)
+        one array of the latent rows."""
+        if self.mla:
+            return 1, 1, self.kv_lora_rank + self.head_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     @property
     def query_scale(self) -> float:
@@ -263,6 +313,9 @@ def from_hf_config(hf: dict, source: str = "config.json", generation: dict | Non
 
     hidden, num_heads = int(need("hidden_size")), int(need("num_attention_heads"))
     head_dim = hf.get("head_dim") or hidden // num_heads
+    mla = _mla_fields(hf, model_type, source)
+    if mla:
+        head_dim = mla.pop("head_dim")
     rope_theta, rope, local_theta, partial = _rope_parameters(hf, model_type, source)
 
     gemma = model_type in GEMMA_TYPES
@@ -285,18 +338,18 @@ def from_hf_config(hf: dict, source: str = "config.json", generation: dict | Non
         intermediate_size=int(need("intermediate_size")),
         num_layers=int(need("num_hidden_layers")),
         num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        num_kv_heads=1 if mla else int(hf.get("num_key_value_heads") or num_heads),
         head_dim=int(head_dim),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=_freeze(rope),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-        qkv_bias=model_type == "qwen2" or (attention_bias and model_type != "phi3"),
+        qkv_bias=model_type in ("qwen2", "qwen2_moe") or (attention_bias and model_type != "phi3"),
         # transformers' o_proj takes attention_bias too, but for Qwen2 (q/k/v only) and Phi-3 (none)
-        o_bias=attention_bias and model_type not in ("qwen2", "phi3"),
+        o_bias=attention_bias and model_type not in ("qwen2", "qwen2_moe", "phi3"),
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "gemma3_text", "olmo2"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"),
         qk_norm_all_heads=model_type == "olmo2",
         norm_layout=NORM_LAYOUTS.get(model_type, "pre"),
         hidden_act="gelu_tanh" if gemma else "silu",
@@ -313,7 +366,10 @@ def from_hf_config(hf: dict, source: str = "config.json", generation: dict | Non
         rope_local_theta=local_theta,
         local_rope_layers=() if local_theta is None else tuple(
             i for i, t in enumerate(_declared_layer_types(hf, model_type, source)) if t == "sliding_attention"),
+        attention_sinks=model_type == "gpt_oss",
         **_scales(hf, model_type, source),
+        **_moe_fields(hf, model_type, source),
+        **mla,
     )
     if cfg.num_heads % cfg.num_kv_heads:
         raise ConfigError(f"{source}: num_attention_heads {cfg.num_heads} is not a multiple of "
@@ -393,11 +449,72 @@ def _scales(hf: dict, model_type: str, source: str) -> dict:
     return out
 
 
+def _mla_fields(hf: dict, model_type: str, source: str) -> dict:
+    """DeepSeek-V3's latent attention fields, its query scale (qk_head_dim ** -0.5, times YaRN's mscale_all_dim
+    factor squared as transformers' yarn_apply_mscale) and head_dim = the rotary width (as transformers sets it)."""
+    if model_type != "deepseek_v3":
+        return {}
+    nope, rope_dim = int(hf.get("qk_nope_head_dim", 128)), int(hf.get("qk_rope_head_dim", 64))
+    scale = (nope + rope_dim) ** -0.5
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
+        scale *= _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+    if hf.get("attention_bias"):
+        raise ConfigError(f"{source}: attention_bias is not supported for deepseek_v3")
+    return dict(q_lora_rank=int(hf.get("q_lora_rank") or 0), kv_lora_rank=int(hf.get("kv_lora_rank", 512)),
+                qk_nope_head_dim=nope, v_head_dim=int(hf.get("v_head_dim") or 128), head_dim=rope_dim,
+                rope_interleave=bool(hf.get("rope_interleave", True)), attention_scale=scale)
+
+
+def _moe_fields(hf: dict, model_type: str, source: str) -> dict:
+    """The mixture-of-experts fields of ModelConfig, by family (transformers' config names, and the older
+    num_experts of Qwen's config.json files)."""
+    if model_type not in MOE_TYPES:
+        return {}
+    num_experts = hf.get("num_local_experts", hf.get("num_experts", hf.get("n_routed_experts")))
+    top_k = hf.get("num_experts_per_tok")
+    if not isinstance(num_experts, int) or not isinstance(top_k, int) or not 0 < top_k <= num_experts:
+        raise ConfigError(f"{source}: num_experts_per_tok {top_k!r} must be in [1, the {num_experts!r} experts]")
+    out = dict(num_experts=num_experts, num_experts_per_tok=top_k)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        sparse_step, dense_layers = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
+        if sparse_step != 1 or dense_layers:
+            raise ConfigError(f"{source}: decoder_sparse_step {sparse_step} / mlp_only_layers {dense_layers}: "
+                              f"Ferry serves MoE models whose every layer is sparse (decoder_sparse_step 1, "
+                              f"mlp_only_layers [])")
+        out.update(moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+        if model_type == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=int(hf["shared_expert_intermediate_size"]),
+                       shared_expert_gate=True)
+    elif model_type == "mixtral":
+        out.update(moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    elif model_type == "deepseek_v3":
+        groups, topk_groups = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+        if num_experts % groups or not 0 < topk_groups <= groups or top_k > topk_groups * (num_experts // groups):
+            raise ConfigError(f"{source}: n_group {groups} / topk_group {topk_groups} must split the {num_experts} "
+                              f"experts evenly and leave at least num_experts_per_tok {top_k} eligible")
+        moe_size = int(hf["moe_intermediate_size"])
+        out.update(moe_intermediate_size=moe_size, router_scoring="sigmoid", router_correction_bias=True,
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)), num_expert_groups=groups,
+                   topk_groups=topk_groups, routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                   shared_expert_intermediate_size=moe_size * int(hf.get("n_shared_experts") or 0),
+                   first_k_dense=int(hf.get("first_k_dense_replace", 0)))
+        if not 0 <= out["first_k_dense"] < int(hf.get("num_hidden_layers", 0)):
+            raise ConfigError(f"{source}: first_k_dense_replace {out['first_k_dense']} must leave at least one "
+                              f"sparse layer")
+    elif model_type == "gpt_oss":
+        out.update(moe_intermediate_size=int(hf["intermediate_size"]), router_topk_first=True, router_bias=True,
+                   expert_bias=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                   swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+    return out
+
+
 def _attention_layout(hf: dict, model_type: str, source: str) -> tuple[int | None, tuple[str, ...]]:
     """(sliding_window, layer_types) as transformers reads them (`_declared_layer_types`). A window of None, or
     one not shorter than max_position_embeddings, is no window."""
     window = hf.get("sliding_window")
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen2_moe") and not hf.get("use_sliding_window", False):
         window = None
     types = _declared_layer_types(hf, model_type, source)
     if window is not None and (not isinstance(window, int) or window <= 0):
@@ -414,7 +531,7 @@ def _declared_layer_types(hf: dict, model_type: str, source: str) -> tuple[str, 
     num_layers = int(hf.get("num_hidden_layers", 0))
     types = hf.get("layer_types")
     if types is None:
-        if model_type == "qwen2":
+        if model_type in ("qwen2", "qwen2_moe"):
             first = int(hf.get("max_window_layers", num_layers))
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         elif model_type in ("gemma2", "gemma3_text"):

@@ -13,6 +13,7 @@ from flax import nnx
 from models.checkpoints import ferry, gguf, hf
 from models.checkpoints.tensors import (
     Checkpoint,
+    checkpoint_layout,
     fill_state,
     fuse_projections,
     hf_to_ferry_name,
@@ -23,7 +24,7 @@ from models.checkpoints.tensors import (
 from models.config import ConfigError, ModelConfig
 from models.hub import resolve_model_name
 from models.quantization import is_quantized
-from models.transformer import Transformer, quantize_kernels
+from models.transformer import Transformer, layer_stacks, quantize_kernels
 
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -61,8 +62,10 @@ def unstack_layers(model: LoadedModel) -> LoadedModel:
     """The same model with one module (and arrays) per layer, run unrolled (Transformer(scan=False)):
     faster decode on CPU, compile time growing with depth. The stacked arrays are sliced once, here."""
     params = model.params()
-    stacked = params["layers"]
-    params["layers"] = {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(model.cfg.num_layers)}
+    stacks = [params.pop(name) for name, *_ in layer_stacks(model.cfg)]  # DeepSeek's dense layers, then the rest
+    layers = [jax.tree.map(lambda a, i=i: a[i], stack) for stack in stacks
+              for i in range(jax.tree.leaves(stack)[0].shape[0])]
+    params["layers"] = dict(enumerate(layers))
     graphdef, state = abstract_model(model.cfg, model.dtype, scan=False)
     nnx.replace_by_pure_dict(state, params)
     return dataclasses.replace(model, graphdef=graphdef, state=state)
@@ -91,6 +94,7 @@ def model_from_checkpoint(checkpoint: Checkpoint, dtype=None) -> LoadedModel:
         if hf_name.endswith(_IGNORED_SUFFIXES) or hf_name.startswith(_IGNORED_PREFIXES):
             continue
         name, transpose = hf_to_ferry_name(hf_name)
+        host = checkpoint_layout(name, host, cfg)
         if name == "lm_head.kernel" and cfg.tie_word_embeddings:
             continue  # tied: the embedding serves as the head
         if name not in known:

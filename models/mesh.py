@@ -68,5 +68,6 @@ def split_columns(fused, widths: tuple[int, ...], groups: int) -> list:
     return [b.reshape(*lead, w) for b, w in zip(jnp.split(blocks, bounds, axis=-1), widths)]
 
 
-def kv_cache_sharding(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
-    return NamedSharding(mesh, KV_CACHE_SPEC, memory_kind=memory_kind)
+def kv_cache_sharding(mesh: Mesh, memory_kind: str | None = None, replicated: bool = False) -> NamedSharding:
+    """The KV pages' sharding: by KV heads, or `replicated` (MLA's one latent head, which every shard reads)."""
+    return NamedSharding(mesh, P() if replicated else KV_CACHE_SPEC, memory_kind=memory_kind)

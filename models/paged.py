@@ -6,7 +6,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-# (k_pages, v_pages), each [num_slots, num_blocks, block_size, num_kv_heads, head_dim]: one array per side for
+# (k_pages, v_pages), each [num_slots, num_blocks, block_size, num_kv_heads, head_dim] ((latent_pages,) for MLA,
+# models/mla.py): one array per side for
 # every layer (KVCacheGroups: a slot per layer, or per layer of a group), so the layer loop is a scan and the step
 # donates two buffers, not 2 x layers. On a TPU the last two dims are padded (Kernels.kv_page_dims).
 KVCache = tuple[jax.Array, jax.Array]
@@ -65,9 +66,17 @@ jax.tree_util.register_dataclass(
 )
 
 
-def init_kv_cache(num_slots, num_blocks, block_size, num_kv_heads, head_dim, dtype) -> KVCache:
+def init_kv_cache(num_slots, num_blocks, block_size, num_kv_heads, head_dim, dtype, arrays: int = 2) -> KVCache:
+    """Zeroed pages: K and V, or (MLA: arrays=1) the one latent array."""
     shape = (num_slots, num_blocks, block_size, num_kv_heads, head_dim)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    return tuple(jnp.zeros(shape, dtype) for _ in range(arrays))
+
+
+def cache_page_dims(cfg, kernels, dtype, shards: int = 1) -> tuple[int, int]:
+    """(heads, head dim) of the pages' rows for the model (ModelConfig.kv_cache_layout) on `kernels`' platform
+    (Kernels.kv_page_dims), over `shards` tensor-parallel devices; MLA's one latent head is held whole by each."""
+    _, heads, dim = cfg.kv_cache_layout
+    return kernels.kv_page_dims(heads, dim, dtype, 1 if cfg.mla else shards)
 
 
 def layer_pool(pages: jax.Array) -> jax.Array:

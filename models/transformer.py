@@ -20,8 +20,11 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig, Rope
 from models.mesh import HEADS_SPEC, KV_POOL_SPEC, MODEL_AXIS, fused_groups, model_axis_size, split_columns
+from models.mla import LatentAttention
+from models.moe import SparseMoE
 from models.paged import AttentionMetadata, KVCache, kv_cache_groups, layer_pool
 from models.quantization import is_quantized, quantize, quantized_embedding, quantized_matmul
+from models.rope import apply_rope  # noqa: F401  (scripts import it from here)
 from pallas_kernels import ops
 from pallas_kernels.attention import write_kv_and_attend
 from pallas_kernels.kernels import Kernels
@@ -33,6 +36,7 @@ _INIT = nnx.initializers.normal(0.02)
 FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
 }
 
 
@@ -42,9 +46,13 @@ def qkv_widths(cfg: ModelConfig) -> tuple[int, int, int]:
 
 
 def fused_projection_widths(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(module, fused projection, its parts' widths) for each entry of FUSED_PROJECTIONS."""
-    return [("self_attn", "qkv_proj", qkv_widths(cfg)),
-            ("mlp", "gate_up_proj", (cfg.intermediate_size, cfg.intermediate_size))]
+    """(module, fused projection, its parts' widths) for each entry of FUSED_PROJECTIONS the model has."""
+    out = [] if cfg.mla else [("self_attn", "qkv_proj", qkv_widths(cfg))]
+    if not cfg.num_experts or cfg.first_k_dense:
+        out.append(("mlp", "gate_up_proj", (cfg.intermediate_size,) * 2))
+    if cfg.num_experts and cfg.shared_expert_intermediate_size:
+        out.append(("mlp.shared_expert", "gate_up_proj", (cfg.shared_expert_intermediate_size,) * 2))
+    return out
 
 
 def split_fused(y, widths: tuple[int, ...]) -> list:
@@ -64,6 +72,7 @@ class ForwardContext:
     layer: jax.Array | None = None  # int32 []: the index of the decoder layer being run (None: outside them)
     packed: bool = False            # its linears are packed [num_layers, ...] stacks read at `layer`, its norms
                                     # take the native kernel
+    stack_first: int = 0            # the first layer of the stack `layer` is in (transformer.layer_stacks)
     rows: jax.Array | None = None   # int32 []: the real rows of x (None: all of them)
 
     def with_rows(self, rows) -> "ForwardContext":
@@ -119,7 +128,7 @@ class Linear(nnx.Linear):
     def packed_matmul(self, x, ctx: ForwardContext, **kwargs):
         """The packed matmul of x over this kernel: the context's layer of the stack (the head, a stack of one: 0),
         its real rows."""
-        layer = ctx.layer if ctx.packed else 0
+        layer = ctx.layer - ctx.stack_first if ctx.packed else 0
         return ops.packed_matmul(x.astype(self.dtype), self.kernel.get_value(), layer, n=self.out_features,
                                  groups=self.column_groups, rows=ctx.rows, **kwargs)
 
@@ -144,7 +153,7 @@ def _linear_kernels(graphdef: nnx.GraphDef, state: nnx.State) -> dict[tuple, int
     kernel, or the tied embedding where it is quantized (held as the head's [D, V] kernel, QuantizedWeight)."""
     model = nnx.merge(graphdef, state)
     kernels = {path + ("kernel",): module.column_groups for path, module in nnx.iter_modules(model)
-               if isinstance(module, Linear) and path[:1] in (("layers",), ("lm_head",))}
+               if isinstance(module, Linear) and path[:1] in (("layers",), ("dense_layers",), ("lm_head",))}
     if model.cfg.tie_word_embeddings and is_quantized(model.embed_tokens.embedding.get_value()):
         kernels["embed_tokens", "embedding"] = 1
     return kernels
@@ -157,7 +166,7 @@ def _map_kernels(graphdef, state, fn) -> nnx.State:
     def mapped(path, leaf):
         names = tuple(getattr(key, "key", getattr(key, "name", None)) for key in path)
         names = names[:-1] if names[-1] == "value" else names
-        return leaf if names not in kernels else fn(leaf, kernels[names], names[0] == "layers")
+        return leaf if names not in kernels else fn(leaf, kernels[names], names[0] in ("layers", "dense_layers"))
 
     return jax.tree_util.tree_map_with_path(mapped, state, is_leaf=is_quantized)
 
@@ -176,7 +185,26 @@ def pack_kernels(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.State:
             return leaf
         return pack(leaf if stacked else jax.tree.map(lambda a: a[None], leaf), groups)
 
-    return _map_kernels(graphdef, state, packed)
+    return _pack_experts(_map_kernels(graphdef, state, packed))
+
+
+# An MoE layer's expert stacks [L, E, K, N] and their column groups (a fused [gate | up]: 2).
+EXPERT_STACKS = {"gate_up_proj": 2, "down_proj": 1}
+
+
+def _pack_experts(state: nnx.State) -> nnx.State:
+    """The MoE layers' expert stacks [L, E, K, N] packed as one stack of L x E entries (ops.pack_stacked), which
+    the native grouped matmul reads a layer's experts from (models/moe.py)."""
+    pack = jax.jit(ops.pack_stacked, static_argnums=1)
+
+    def packed(path, leaf):
+        names = tuple(getattr(key, "key", getattr(key, "name", None)) for key in path)
+        names = names[:-1] if names[-1] == "value" else names
+        if names[-2:-1] != ("experts",) or names[-1] not in EXPERT_STACKS or leaf.ndim != 4:
+            return leaf
+        return pack(leaf.reshape(-1, *leaf.shape[2:]), EXPERT_STACKS[names[-1]])
+
+    return jax.tree_util.tree_map_with_path(packed, state, is_leaf=is_quantized)
 
 
 # The LM head (a tied embedding with it) is quantized to int8 per channel under every method, as llama.cpp's
@@ -196,7 +224,7 @@ def quantize_kernels(graphdef: nnx.GraphDef, state: nnx.State, method: str, grou
         names = tuple(getattr(key, "key", getattr(key, "name", None)) for key in path)
         names = names[:-1] if names[-1] == "value" else names
         head = names == ("embed_tokens", "embedding")
-        if not ((names[0] == "layers" or names[0] == "lm_head") and names[-1] == "kernel" or head and tied):
+        if not (names[0] in ("layers", "dense_layers", "lm_head") and names[-1] == "kernel" or head and tied):
             return leaf
         if is_quantized(leaf):
             raise ValueError(f"quantization={method!r}: the checkpoint's {'.'.join(map(str, names))} is "
@@ -209,12 +237,13 @@ def quantize_kernels(graphdef: nnx.GraphDef, state: nnx.State, method: str, grou
 
 
 def _is_kernel(path, _value) -> bool:
-    return path[-1] == "kernel"
+    """A linear's kernel or an expert stack: what a packed layer scan closes over rather than slices."""
+    return path[-1] == "kernel" or (len(path) > 1 and path[-2] == "experts" and path[-1] in EXPERT_STACKS)
 
 
 def layer_kernels_packed(layers) -> bool:
     """Whether a Transformer's layers hold packed kernels (pack_kernels)."""
-    return not isinstance(layers, nnx.List) and layers.mlp.down_proj.kernel.get_value().ndim == ops.PACKED_RANK
+    return not isinstance(layers, nnx.List) and layers.self_attn.o_proj.kernel.get_value().ndim == ops.PACKED_RANK
 
 
 def rope_cos_sin(inv_freq, positions, dtype, attention_factor: float = 1.0):
@@ -272,17 +301,6 @@ def rope_tables(cfg: ModelConfig, positions, md: AttentionMetadata, dtype):
     return tuple(jnp.stack(t) for t in zip(*tables))
 
 
-def apply_rope(x, cos, sin):
-    """x [T, H, D]; cos, sin [T, rotary_dim]: the first rotary_dim features of each head rotate (partial rotary,
-    Phi-4-mini), the rest pass through."""
-    rotary = cos.shape[-1]
-    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
-    half = rotary // 2
-    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
-    out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
-    return out if rotary == x.shape[-1] else jnp.concatenate([out, x_pass], axis=-1)
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class KeptRows:
     """The rows a layer keeps past its K/V write (the last layer of a prefill or mixed step): the linears that
@@ -302,6 +320,8 @@ class Attention(nnx.Module):
             q_width, k_width, _ = qkv_widths(cfg) if cfg.qk_norm_all_heads else (d, d, d)
             self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, cfg.norm_offset, dtype)
             self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps, cfg.norm_offset, dtype)
+        # gpt-oss: a learned logit per query head that joins each softmax's denominator (pallas_kernels/reference.py)
+        self.sinks = nnx.Param(jnp.zeros((cfg.num_heads,), dtype)) if cfg.attention_sinks else None
 
     def project(self, x, ctx: ForwardContext):
         """x [..., hidden] -> q [..., Hq, D], k and v [..., Hkv, D] (one matmul), q/k normed if the model does."""
@@ -329,27 +349,30 @@ class Attention(nnx.Module):
             q, md, out_ctx = q[kept.indices], md.last_rows_queried(), ctx.with_rows(kept.real)
         num_tokens = q.shape[0]
         attend = functools.partial(_write_and_attend, cfg=cfg, kernels=ctx.kernels)
+        sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
         if model_axis_size() > 1:
             # Per shard: its query heads, its KV heads, its pages. XLA cannot partition the kernels'
             # custom calls, and would otherwise gather the whole cache onto every device.
             pages = (KV_POOL_SPEC, KV_POOL_SPEC)
-            attend = jax.shard_map(attend, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, pages, P()),
+            attend = jax.shard_map(attend, in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, pages, P(), P(MODEL_AXIS)),
                                    out_specs=(HEADS_SPEC, pages))
-        out, kv = attend(q, k, v, kv, md)
+        out, kv = attend(q, k, v, kv, md, sinks)
         return self.o_proj.float32_out(out.reshape(num_tokens, -1), out_ctx), kv
 
 
-def _write_and_attend(q, k, v, kv, md: AttentionMetadata, *, cfg: ModelConfig, kernels: Kernels):
-    """This step's k/v [T, Hkv, D] into the pages, then q [T, Hq, D] attends through them."""
+def _write_and_attend(q, k, v, kv, md: AttentionMetadata, sinks, *, cfg: ModelConfig, kernels: Kernels):
+    """This step's k/v [T, Hkv, D] into the pages, then q [T, Hq, D] attends through them (`sinks`: None, or
+    float32 [Hq])."""
     out, k_pages, v_pages = write_kv_and_attend(
         q, k, v, *kv, md.slot_mapping, md.block_tables, md.context_lens, md.query_start_loc, decode=md.decode,
-        scale=cfg.query_scale, kernels=kernels, soft_cap=cfg.attn_logit_softcap, sliding_window=md.sliding_window)
+        scale=cfg.query_scale, kernels=kernels, soft_cap=cfg.attn_logit_softcap, sliding_window=md.sliding_window,
+        sinks=sinks)
     return out, (k_pages, v_pages)
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs):
-        h, i = cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: ModelConfig, dtype, rngs, intermediate_size: int | None = None):
+        h, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_up_proj = _linear(h, 2 * i, cfg.mlp_bias, dtype, rngs)
         self.gate_up_proj.column_groups = 2
         self.down_proj = _linear(i, h, cfg.mlp_bias, dtype, rngs)
@@ -367,22 +390,36 @@ class MLP(nnx.Module):
         return self.down_proj(hidden, ctx)
 
 
+def mlp_block(cfg: ModelConfig, dtype, rngs, sparse: bool = True) -> nnx.Module:
+    """A decoder layer's MLP: dense (also DeepSeek's first layers: `sparse` False), or a mixture of experts
+    (models/moe.py) with its shared expert if any."""
+    if not (cfg.num_experts and sparse):
+        return MLP(cfg, dtype, rngs)
+    shared = cfg.shared_expert_intermediate_size
+    return SparseMoE(cfg, dtype, rngs, MLP(cfg, dtype, rngs, shared) if shared else None)
+
+
 class DecoderLayer(nnx.Module):
     """One decoder layer; its norms by cfg.norm_layout (config.NORM_LAYOUTS): Llama's pre-norms, Gemma 2/3's
     sandwich (pre-norms and norms of each branch's output), OLMo 2's branch-output norms alone."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs, sparse: bool = True):
+        """`sparse`: an MoE model's layer has its MoE block (False: DeepSeek's first, dense-MLP layers)."""
         self.layout, self.residual_multiplier = cfg.norm_layout, cfg.residual_multiplier
         norm = functools.partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
         if cfg.norm_layout != "post":
             self.input_layernorm = norm()
-        self.self_attn = Attention(cfg, dtype, rngs)
+        if cfg.mla:
+            self.self_attn = LatentAttention(cfg, dtype, rngs, lambda i, o: _linear(i, o, False, dtype, rngs),
+                                             lambda dim: RMSNorm(dim, cfg.rms_norm_eps, cfg.norm_offset, dtype))
+        else:
+            self.self_attn = Attention(cfg, dtype, rngs)
         self.post_attention_layernorm = norm()
         if cfg.norm_layout == "sandwich":
             self.pre_feedforward_layernorm = norm()
         if cfg.norm_layout != "pre":
             self.post_feedforward_layernorm = norm()
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = mlp_block(cfg, dtype, rngs, sparse)
 
     def __call__(self, x, cos, sin, kv, md, ctx: ForwardContext, kept=None):
         """`kept` (see Attention): the output has only those rows, and only they run past the K/V write."""
@@ -414,16 +451,23 @@ def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
     return nnx.merge(graphdef, jax.tree.map(lambda *leaves: jnp.stack(leaves), *states))
 
 
-def vmapped_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> "DecoderLayer":
+def vmapped_layers(cfg: ModelConfig, dtype, rngs: nnx.Rngs, count: int, sparse: bool = True) -> "DecoderLayer":
     """The same stacked layer as stack_modules gives (the same graphdef; other random draws), from one
     vmapped constructor: tracing it costs the same at any depth (layer by layer it grows with depth), but run
     eagerly each op compiles per depth."""
-    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(layer_rngs):
-        return DecoderLayer(cfg, dtype, layer_rngs)
+        return DecoderLayer(cfg, dtype, layer_rngs, sparse)
 
     return make(rngs)
+
+
+def layer_stacks(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
+    """(attribute, first layer, layers, sparse) of each scanned stack of decoder layers, in order: DeepSeek's
+    first_k_dense dense-MLP layers (`dense_layers`), then the rest (`layers`: every layer, for other families)."""
+    dense = cfg.first_k_dense
+    return ([("dense_layers", 0, dense, False)] if dense else []) + [("layers", dense, cfg.num_layers - dense, True)]
 
 
 class Transformer(nnx.Module):
@@ -436,11 +480,14 @@ class Transformer(nnx.Module):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                                       embedding_init=_INIT, rngs=rngs)
         if not scan:
-            self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
-        elif traced:
-            self.layers = vmapped_layers(cfg, dtype, rngs)
-        else:
-            self.layers = stack_modules([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+            self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, i >= cfg.first_k_dense)
+                                    for i in range(cfg.num_layers)])
+        for name, _, count, sparse in layer_stacks(cfg) if scan else ():
+            if traced:
+                stack = vmapped_layers(cfg, dtype, rngs, count, sparse)
+            else:
+                stack = stack_modules([DecoderLayer(cfg, dtype, rngs, sparse) for _ in range(count)])
+            setattr(self, name, stack)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
@@ -462,15 +509,12 @@ class Transformer(nnx.Module):
             rope_of = lambda ctx: (cos[layer_ropes[ctx.layer]], sin[layer_ropes[ctx.layer]])  # noqa: E731
         else:
             rope_of = lambda ctx: (cos, sin)  # noqa: E731
-        k_pages, v_pages = kv_cache
-        num_blocks, block_size = k_pages.shape[1:3]
+        num_blocks, block_size = kv_cache[0].shape[1:3]
         groups = kv_cache_groups(cfg)
 
         def layer_step(layer, carry, ctx, kept=None):
-            x, k_pool, v_pool = carry
-            x, (k_pool, v_pool) = layer(x, *rope_of(ctx), (k_pool, v_pool),
-                                        md.for_layer(ctx.layer, num_blocks, block_size, groups), ctx, kept)
-            return x, k_pool, v_pool
+            x, pools = carry
+            return layer(x, *rope_of(ctx), pools, md.for_layer(ctx.layer, num_blocks, block_size, groups), ctx, kept)
 
         # The real token rows and logits rows: a bucketed step's padding comes after them (its sequences start
         # at the end of the tokens), and packed kernels skip it.
@@ -486,9 +530,9 @@ class Transformer(nnx.Module):
         # The cache rides in the carry as one pool of every layer's pages: each layer scatters into
         # it and its kernel reads it in place (a per-layer slice would copy the layer's pages).
         ctx = ForwardContext(kernels, rows=rows)
-        x, k_pool, v_pool = self.scan_layers(layer_step, (x, layer_pool(k_pages), layer_pool(v_pages)), ctx,
-                                             last=last_step)
-        new_cache = (k_pool.reshape(k_pages.shape), v_pool.reshape(v_pages.shape))
+        x, pools = self.scan_layers(layer_step, (x, tuple(layer_pool(pages) for pages in kv_cache)), ctx,
+                                    last=last_step)
+        new_cache = tuple(pool.reshape(pages.shape) for pool, pages in zip(pools, kv_cache))
         if hidden_states:
             return self.norm(x, ctx), new_cache
         # Only the rows we sample from (RMSNorm is per token): the last layer kept only them, or select them.
@@ -543,24 +587,33 @@ class Transformer(nnx.Module):
                 is_last = last is not None and i == num_layers - 1
                 carry = (last if is_last else fn)(layer, carry, dataclasses.replace(ctx, layer=jnp.int32(i)))
             return carry
-        kernels_in_place = layer_kernels_packed(self.layers)
+        stacks = layer_stacks(self.cfg)  # DeepSeek's dense-MLP layers first, then the rest
+        for name, first, count, _ in stacks:
+            final = name == stacks[-1][0]
+            carry = self._scan_stack(getattr(self, name), first, count, fn, carry, ctx, last if final else None)
+        return carry
+
+    def _scan_stack(self, layers, first: int, count: int, fn, carry, ctx: ForwardContext, last):
+        """scan_layers over one stack of `count` layers, the model's layers first, first + 1, ..."""
+        kernels_in_place = layer_kernels_packed(layers)
         if kernels_in_place and model_axis_size() != 1:
             raise ValueError("packed layer kernels (pack_kernels) run on one device; tensor parallelism "
                              "partitions the [num_layers, K, N] stacks")
         if kernels_in_place:
-            graphdef, kernels, stacked = nnx.split(self.layers, _is_kernel, ...)
+            graphdef, kernels, stacked = nnx.split(layers, _is_kernel, ...)
         else:
-            graphdef, stacked = nnx.split(self.layers)
+            graphdef, stacked = nnx.split(layers)
 
         def layer_at(index):
             """Layer `index`'s module and context. On the CPU a barrier materialises the sliced parameters once,
             so the matmuls stay library dots (left fusible, XLA CPU folds the dynamic-slice into them, making them
             generic loops). Not on an accelerator: there it would copy every layer's weights each step (weight
             reads are what bounds decode), where XLA's dots read the layer in place from the stack."""
-            layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stacked)
+            layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index - first, keepdims=False),
+                                       stacked)
             if ctx.kernels.platform == "cpu":
                 layer_state, index = jax.lax.optimization_barrier((layer_state, index))
-            layer_ctx = dataclasses.replace(ctx, layer=index, packed=kernels_in_place)
+            layer_ctx = dataclasses.replace(ctx, layer=index, packed=kernels_in_place, stack_first=first)
             if not kernels_in_place:
                 return nnx.merge(graphdef, layer_state), layer_ctx
             return nnx.merge(graphdef, kernels, layer_state), layer_ctx
@@ -569,12 +622,12 @@ class Transformer(nnx.Module):
             layer, layer_ctx = layer_at(index)
             return fn(layer, c, layer_ctx), None
 
-        scanned = num_layers - (last is not None)
-        indices = jnp.arange(num_layers, dtype=jnp.int32)
+        scanned = count - (last is not None)
+        indices = jnp.arange(first, first + count, dtype=jnp.int32)
         carry = jax.lax.scan(body, carry, indices[:scanned])[0]
         if last is None:
             return carry
-        layer, layer_ctx = layer_at(indices[num_layers - 1])
+        layer, layer_ctx = layer_at(indices[count - 1])
         return last(layer, carry, layer_ctx)
 
 

@@ -5,6 +5,8 @@ kernel (pallas_kernels/native/ops.py) where `kernels.native` says so, else plain
   matmul         x @ w in x's dtype (a float32 product, rounded once, for 16-bit floats on the CPU)
   packed_matmul  x @ w[layer] of a weight stack packed for the native matmul (pack_stacked; float, or a
                  QuantizedWeight of int8/int4/uint4 values: the float32 path's bits on the dequantized weights)
+  packed_grouped_matmul  a mixture of experts' ragged dot over one layer's experts of a packed stack of every
+                 layer's (native.grouped_matmul)
   write_kv       this step's K/V rows into the paged cache; write_blocks: whole blocks (a swap-in)
   gate_product   the MLP's act(gate) * up
 """
@@ -62,23 +64,33 @@ def packed_matmul(x, packed, layer, **kwargs):
     return native.stacked_matmul(x, packed, layer, **kwargs)
 
 
+def packed_grouped_matmul(x, packed, first, group_sizes, **kwargs):
+    """native.grouped_matmul: x's rows sorted by expert, expert e's @ entry first + e of a packed stack of every
+    layer's experts (read where they lie), rows past the groups zeros."""
+    return native.grouped_matmul(x, packed, first, group_sizes, **kwargs)
+
+
 def write_kv(k_pages, v_pages, k, v, slot_mapping, kernels: Kernels):
     """Scatter this step's k/v [T, Hkv, D] into their slots. Under a donated cache XLA does it in place, but for
     XLA CPU, which copies the whole pool where its scatter is not in place (a 16-bit float scatter is widened to
     float32; a one-token step's scatter becomes a dynamic-update-slice behind a copy of the pool): there the
     native write copies only the T rows, in place. Quantized pages (int8, fp8) take the rows quantized, each with
     its scale (kv_quant.write_rows): T rows of work, then the same row write."""
-    k, v = write_rows(k, k_pages.dtype), write_rows(v, v_pages.dtype)
+    return write_pages(k_pages, k, slot_mapping, kernels), write_pages(v_pages, v, slot_mapping, kernels)
+
+
+def write_pages(pages, rows, slot_mapping, kernels: Kernels):
+    """One page array's side of write_kv: rows [T, Hkv, D] into their slots (quantized if the pages are; zero-padded
+    where the pages are wider: the TPU's, Kernels.kv_page_dims)."""
+    rows = write_rows(rows, pages.dtype)
+    if rows.shape[1:] != pages.shape[2:]:
+        rows = jnp.pad(rows, ((0, 0), (0, pages.shape[2] - rows.shape[1]), (0, pages.shape[3] - rows.shape[2])))
     if kernels.native:
-        return native.kv_write(k_pages, k, slot_mapping), native.kv_write(v_pages, v, slot_mapping)
-    num_blocks, block_size = k_pages.shape[:2]
-
-    def write(pages, new):
-        flat = pages.reshape(num_blocks * block_size, *pages.shape[2:])
-        flat = flat.at[slot_mapping].set(new, mode="drop", unique_indices=False)
-        return flat.reshape(pages.shape)
-
-    return write(k_pages, k), write(v_pages, v)
+        return native.kv_write(pages, rows, slot_mapping)
+    num_blocks, block_size = pages.shape[:2]
+    flat = pages.reshape(num_blocks * block_size, *pages.shape[2:])
+    flat = flat.at[slot_mapping].set(rows, mode="drop", unique_indices=False)
+    return flat.reshape(pages.shape)
 
 
 def write_blocks(pages, block_ids, blocks, native_write: bool):

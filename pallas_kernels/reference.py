@@ -11,6 +11,10 @@ A query's absolute position is context_len - query_len + its index in the chunk;
 keys at positions <= its own (causal) and, under a sliding window W > 0, to the last W of them (positions
 > its own - W, as transformers masks). Rows that attend to nothing (padding) come out as zeros.
 
+sinks: None, or float32 [num_q_heads]: attention sinks (gpt-oss), a learned logit per query head that joins the
+softmax's denominator and adds no value: with m = max(max_j s_j, sink[h]),
+out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink[h] - m)). A row that sees no key is still zeros.
+
 sliding_window: None (no window) or an int32 scalar, a Python int or a traced per-layer value: 0 = no window.
 Block-table entries wholly before a query's window may hold anything (the KV cache manager frees those
 blocks); kernels must not read them.
@@ -33,8 +37,8 @@ def _gather_pages(pages, block_table):
     return read_pages(gathered.reshape(-1, *pages.shape[2:]))
 
 
-def _attend(q, k, v, key_mask, scale, soft_cap):
-    """q [Q, Hq, D], k/v [L, Hkv, D], key_mask [Q, L] -> [Q, Hq, D] (float32)."""
+def _attend(q, k, v, key_mask, scale, soft_cap, sinks=None):
+    """q [Q, Hq, D], k/v [L, Hkv, D], key_mask [Q, L] -> [Q, Hq, D] (float32); sinks None or [Hq]."""
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_q_heads // num_kv_heads
     qg = q.astype(jnp.float32).reshape(q.shape[0], num_kv_heads, group, q.shape[2])
@@ -43,8 +47,13 @@ def _attend(q, k, v, key_mask, scale, soft_cap):
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(key_mask[None, None], scores, _MASKED)
     row_max = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:  # [Hkv, group, 1, 1]: the sink is one more logit of every row, with no value
+        sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1, 1)
+        row_max = jnp.maximum(row_max, sink)
     probs = jnp.where(key_mask[None, None], jnp.exp(scores - row_max), 0.0)
     denom = probs.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - row_max)
     probs = probs / jnp.where(denom == 0.0, 1.0, denom)
     # Zero the values no row may attend to: a probability of 0 times garbage (NaN/inf) in an
     # unused page slot would otherwise still poison the sum.
@@ -62,7 +71,7 @@ def in_window(k_pos, q_pos, sliding_window):
 
 
 def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, context_lens, *, scale, soft_cap=None,
-                               sliding_window=None):
+                               sliding_window=None, sinks=None):
     """One query token per sequence: q [S, Hq, D] -> [S, Hq, D]."""
 
     def one_sequence(q_s, table, ctx_len):
@@ -70,14 +79,15 @@ def paged_decode_attention_ref(q, k_pages, v_pages, block_tables, context_lens, 
         v = _gather_pages(v_pages, table)
         k_pos = jnp.arange(k.shape[0])
         key_mask = ((k_pos < ctx_len) & in_window(k_pos, ctx_len - 1, sliding_window))[None, :]
-        return _attend(q_s[None], k, v, key_mask, scale, soft_cap)[0]
+        return _attend(q_s[None], k, v, key_mask, scale, soft_cap, sinks)[0]
 
     out = jax.vmap(one_sequence)(q, block_tables, context_lens)
     return out.astype(q.dtype)
 
 
 def paged_prefill_attention_ref(
-    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale, soft_cap=None, sliding_window=None
+    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale, soft_cap=None, sliding_window=None,
+    sinks=None,
 ):
     """Flat query tokens of several sequences: q [T, Hq, D] -> [T, Hq, D].
 
@@ -100,7 +110,7 @@ def paged_prefill_attention_ref(
         k_pos = jnp.arange(k.shape[0])
         key_mask = ((k_pos[None, :] <= q_pos[:, None]) & (rows < q_len)[:, None]
                     & in_window(k_pos[None, :], q_pos[:, None], sliding_window))
-        o = _attend(q_s, k, v, key_mask, scale, soft_cap)
+        o = _attend(q_s, k, v, key_mask, scale, soft_cap, sinks)
         # Only this sequence's rows: leave rows beyond the chunk as they were.
         current = jax.lax.dynamic_slice_in_dim(out, start, num_tokens)
         o = jnp.where((rows < q_len)[:, None, None], o, current)

@@ -18,11 +18,12 @@ XLA's cost analysis counts a loop body once, so the layer scan's program underco
 decode programs come from compiles of the same step with the layers unrolled (the engine's --no-scan_layers
 form), where every layer counts: of the model cut to one layer and to two, since its layers are identical,
 cost(L) = cost(1) + (L - 1) x (cost(2) - cost(1)) (an unrolled compile of every layer would also compile the
-attention kernel once per layer). The Pallas attention kernel reports its own pl.CostEstimate
-(every sequence at the table's full width, padding included). `ideal` is what a decode step must read: every
-weight of the shard once (the embedding's gathered rows only, unless tied to the head), the live KV cache at full
-length (unpadded), and the float32 logits rows; `ratio` is XLA's bytes accessed over it, `padded` over the same
-with the KV cache at the pages' padded size (what the TPU kernel must copy: docs/kernels.md).
+attention kernel once per layer; DeepSeek's first dense-MLP layers are costed as its sparse ones). The Pallas
+attention kernel reports its own pl.CostEstimate (every sequence at the table's full width, padding included).
+`ideal` is what a decode step must read: every weight of the shard once (the embedding's gathered rows only, unless
+tied to the head), the live KV cache at full length (unpadded), and the float32 logits rows; `ratio` is XLA's bytes
+accessed over it, `padded` over the same with the KV cache at the pages' padded size (what the TPU kernel must copy:
+docs/kernels.md).
 
 Environment: JAX_PLATFORMS=cpu, TPU_SKIP_MDS_QUERY=1, TPU_WORKER_HOSTNAMES=localhost and TPU_ACCELERATOR_TYPE are
 set here before jax is imported (a TPU host's metadata server is not asked).
@@ -65,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--samplers", default="greedy,full", help="comma-separated: greedy, full")
     p.add_argument("--programs", default="all", choices=["all", "decode", "largest"],
                    help="all buckets; decode buckets only; or the largest decode and prefill")
+    p.add_argument("--expert_parallel", action="store_true", help="an MoE model's experts split whole over the "
+                   "devices (EngineConfig.expert_parallel)")
     p.add_argument("--no_costs", action="store_true", help="skip the unrolled compiles for flops and bytes")
     p.add_argument("--json_out", default=None)
     return p.parse_args(argv)
@@ -108,7 +111,8 @@ def abstract_params(cfg, dtype, mesh, tp: int, scan: bool, quantization=None, gr
     for path, leaf in flat:
         name = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         placed.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                           sharding=NamedSharding(mesh, param_spec(name, leaf.shape, tp))))
+                                           sharding=NamedSharding(mesh, param_spec(name, leaf.shape, tp,
+                                                                                   cfg.expert_parallel))))
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(tree, placed))
     return graphdef, state
 
@@ -136,22 +140,24 @@ def costs(compiled) -> dict:
 
 
 def ideal_decode_bytes(cfg, num_seqs, context, dtype, kv_dtype, tp, vocab_shard, page_dims=None,
-                       weight_item=None) -> float:
+                       weight_item=None, layer_bytes=None) -> float:
     """Weights of one shard once (the embedding's gathered rows, unless tied), the live KV cache (at the model's
     heads and head_dim, or at the pages' padded `page_dims`), the logits. `weight_item`: a linear weight's
-    bytes (quantized: its values' and scales' share), default the dtype's."""
+    bytes (quantized: its values' and scales' share), default the dtype's. `layer_bytes`: a shard's decoder-layer
+    weights as the model holds them, which MoE and MLA models take in place of the dense formula."""
     import jax.numpy as jnp  # noqa: PLC0415
 
     from models.transformer import qkv_widths  # noqa: PLC0415
     item = weight_item or jnp.dtype(dtype).itemsize
     h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     per_layer = h * sum(qkv_widths(cfg)) + cfg.num_heads * cfg.head_dim * h + 3 * h * i
-    weights = layers * per_layer / tp * item
+    weights = layer_bytes if (cfg.num_experts or cfg.mla) and layer_bytes else layers * per_layer / tp * item
     embed = cfg.vocab_size * h * item / tp if cfg.tie_word_embeddings else num_seqs * h * item
     head = 0 if cfg.tie_word_embeddings else h * cfg.vocab_size * item / tp
-    kv_heads, head_dim = (max(1, cfg.num_kv_heads // tp), cfg.head_dim) if page_dims is None else (
-        page_dims[0] // tp, page_dims[1])
-    kv = 2 * layers * num_seqs * context * kv_heads * head_dim * jnp.dtype(kv_dtype).itemsize
+    arrays, heads, dim = cfg.kv_cache_layout
+    shards = 1 if cfg.mla else tp  # MLA's latent head: every shard holds it whole
+    kv_heads, head_dim = (max(1, heads // shards), dim) if page_dims is None else (page_dims[0] // shards, page_dims[1])
+    kv = arrays * layers * num_seqs * context * kv_heads * head_dim * jnp.dtype(kv_dtype).itemsize
     return weights + embed + head + kv + num_seqs * vocab_shard * 4
 
 
@@ -169,7 +175,7 @@ def main(argv=None):
     from engine.worker.kv_cache import gather_blocks, scatter_blocks  # noqa: PLC0415
     from models.loading import read_checkpoint  # noqa: PLC0415
     from models.mesh import kv_cache_sharding, make_mesh  # noqa: PLC0415
-    from models.paged import kv_cache_groups  # noqa: PLC0415
+    from models.paged import cache_page_dims, kv_cache_groups  # noqa: PLC0415
     from models.quantization import is_quantized  # noqa: PLC0415
     from models.sharding import check_tensor_parallel  # noqa: PLC0415
     from models.transformer import StaticGraphDef  # noqa: PLC0415
@@ -181,8 +187,10 @@ def main(argv=None):
     mesh = make_mesh(devices[:tp])
     checkpoint = read_checkpoint(args.model)
     cfg = checkpoint.cfg
-    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads == 0:  # each shard carries a replica (replicate_kv_heads)
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads == 0 and not cfg.mla:  # a replica a shard (replicate_kv_heads)
         cfg = dataclasses.replace(cfg, num_kv_heads=tp)
+    if cfg.num_experts and tp > 1:
+        cfg = dataclasses.replace(cfg, expert_parallel=args.expert_parallel)  # as models/sharding.shard_model sets it
     check_tensor_parallel(cfg, tp)
     dtype = jnp.dtype(args.dtype)
     kv_dtype = resolve_kv_dtype(args.kv_cache_dtype) if args.kv_cache_dtype else jnp.dtype(args.dtype)
@@ -196,10 +204,9 @@ def main(argv=None):
                            kv_groups=groups.num_groups)
     def cache_spec(num_slots):
         spec = jax.ShapeDtypeStruct(
-            (num_slots, num_blocks, args.block_size, *kernels.kv_page_dims(cfg.num_kv_heads, cfg.head_dim, kv_dtype,
-                                                                           tp)),
-            kv_dtype, sharding=kv_cache_sharding(mesh))
-        return spec, spec
+            (num_slots, num_blocks, args.block_size, *cache_page_dims(cfg, kernels, kv_dtype, tp)),
+            kv_dtype, sharding=kv_cache_sharding(mesh, replicated=cfg.mla))
+        return (spec,) * cfg.kv_cache_layout[0]
 
     cache = cache_spec(groups.num_slots)
     kv_spec = cache[0]
@@ -210,14 +217,17 @@ def main(argv=None):
     # the model cut to one and two layers, unrolled: the decode programs' costs (see the docstring); full attention
     # (one KV cache group) in both, whatever the model's windows
     unrolled = None if args.no_costs else [
-        abstract_params(dataclasses.replace(cfg, num_layers=n, sliding_window=None, layer_types=()), dtype, mesh, tp,
-                        scan=False, **quantized) for n in (1, 2)]
+        abstract_params(dataclasses.replace(cfg, num_layers=n, sliding_window=None, layer_types=(), first_k_dense=0),
+                        dtype, mesh, tp, scan=False, **quantized) for n in (1, 2)]
     weight_bytes = shard_bytes(jax.tree.leaves(state))
     # a quantized linear weight's bytes, its scales' share included: the ideal step's
     linears = [q for q in jax.tree.leaves(nnx.to_pure_dict(state)["layers"], is_leaf=is_quantized) if is_quantized(q)]
     layer_item = linears and shard_bytes(jax.tree.leaves(linears)) / sum(
         math.prod(q.values.sharding.shard_shape(q.values.shape)) for q in linears)
-    kv_bytes = 2 * shard_bytes([kv_spec])
+    kv_bytes = len(cache) * shard_bytes([kv_spec])
+    # MoE and MLA layers: the ideal step reads every layer weight once (at these batches every expert is hit)
+    layer_bytes = shard_bytes(jax.tree.leaves({k: v for k, v in nnx.to_pure_dict(state).items()
+                                               if k in ("layers", "dense_layers")}))
     print(f"{cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
           f"{cfg.num_kv_heads}x{cfg.head_dim}, vocab {cfg.vocab_size}; {args.topology} ({devices[0].device_kind}), "
           f"TP {tp}; weights {args.quantization or dtype.name}; attention {kernels.attention}; "
@@ -272,7 +282,7 @@ def main(argv=None):
             if layout.decode:
                 vocab_shard = cfg.vocab_size
                 ideal = tuple(ideal_decode_bytes(cfg, layout.num_seqs, width * args.block_size, dtype, kv_dtype, tp,
-                                                 vocab_shard, dims, layer_item or None)
+                                                 vocab_shard, dims, layer_item or None, layer_bytes)
                               for dims in (None, kv_spec.shape[3:]))
             run(name, lambda step=step: step(graphdef, state), cost_fn, ideal)
     for n in buckets.swap_blocks:
@@ -280,8 +290,9 @@ def main(argv=None):
         blocks = jax.ShapeDtypeStruct((groups.num_slots, n, *kv_spec.shape[2:]), kv_dtype, sharding=kv_spec.sharding)
         with jax.set_mesh(mesh):
             run(f"swap-out {n} blocks", lambda ids=ids: gather_blocks.lower(cache, ids).compile())
+            blocks = (blocks,) * len(cache)
             run(f"swap-in {n} blocks",
-                lambda ids=ids, blocks=blocks: scatter_blocks.lower(cache, ids, (blocks, blocks), False).compile())
+                lambda ids=ids, blocks=blocks: scatter_blocks.lower(cache, ids, blocks, False).compile())
 
     hbm = CHIPS[chip][2]
     ok = [r for r in rows if r["status"] == "ok"]

@@ -107,7 +107,9 @@ flags.DEFINE_integer("hidden", 256, "random model: hidden size")
 flags.DEFINE_integer("heads", 8, "random model: attention heads")
 flags.DEFINE_integer("kv_heads", 4, "random model: key/value heads")
 flags.DEFINE_integer("vocab", 32000, "random model: vocabulary size")
-flags.DEFINE_integer("intermediate", 1024, "random model: MLP intermediate size")
+flags.DEFINE_integer("intermediate", 1024, "random model: MLP intermediate size (with --experts: each expert's)")
+flags.DEFINE_integer("experts", 0, "random model: a Mixtral-style mixture of this many experts (0: a dense Llama)")
+flags.DEFINE_integer("experts_per_tok", 2, "random model: experts each token is routed to (with --experts)")
 # backends
 flags.DEFINE_enum("backend", "ferry", BACKENDS, "the backend to run (without --compare)")
 flags.DEFINE_list("compare", None, f"run several backends, interleaved: any of {','.join(BACKENDS)}, or "
@@ -265,21 +267,26 @@ def available_backends(names: list[str]) -> tuple[list[str], dict[str, str]]:
 # ------------------------------------------------------------------ model and workload
 
 def random_model_config() -> ModelConfig:
-    return ModelConfig(model_type="llama", vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden,
+    moe = dict(model_type="mixtral", num_experts=FLAGS.experts, num_experts_per_tok=FLAGS.experts_per_tok,
+               moe_intermediate_size=FLAGS.intermediate, norm_topk_prob=True) if FLAGS.experts else {}
+    return ModelConfig(**{"model_type": "llama", **moe}, vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden,
                        intermediate_size=FLAGS.intermediate, num_layers=FLAGS.layers, num_heads=FLAGS.heads,
                        num_kv_heads=FLAGS.kv_heads, head_dim=FLAGS.hidden // FLAGS.heads,
                        max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,), pad_token_id=0)
 
 
 def save_random_hf_llama(out_dir: str) -> str:
-    """The random Llama as a transformers checkpoint, so both backends load identical weights."""
+    """The random Llama (with --experts: Mixtral) as a transformers checkpoint, so both backends load identical
+    weights."""
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(
+    moe = dict(num_local_experts=FLAGS.experts, num_experts_per_tok=FLAGS.experts_per_tok) if FLAGS.experts else {}
+    config = (transformers.MixtralConfig if FLAGS.experts else transformers.LlamaConfig)(
         vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden, intermediate_size=FLAGS.intermediate,
         num_hidden_layers=FLAGS.layers, num_attention_heads=FLAGS.heads, num_key_value_heads=FLAGS.kv_heads,
-        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        **moe)
     torch.manual_seed(FLAGS.seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(getattr(torch, FLAGS.dtype))
     model.save_pretrained(out_dir)

@@ -118,6 +118,9 @@ def define_engine_flags():
                          "(heads, MLP units and vocabulary; the KV cache by KV heads)", lower_bound=1)
     flags.DEFINE_integer("data_parallel_size", d.data_parallel_size, "independent model replicas, each on its "
                          "own --tensor_parallel_size devices; requests go to the least loaded", lower_bound=1)
+    flags.DEFINE_boolean("expert_parallel", d.expert_parallel, "a mixture-of-experts model's experts split "
+                         "whole over the --tensor_parallel_size devices (expert parallel), not each expert's "
+                         "units over them")
     flags.DEFINE_boolean("scan_layers", d.scan_layers, "run the decoder layers as one scanned layer (compile "
                          "time independent of depth); --noscan_layers unrolls them, for compile time growing "
                          "with depth (float32 CPU decode steps run as fast either way: a native matmul reads "

@@ -27,20 +27,21 @@ def scatter_blocks(kv_cache, block_ids, blocks, native_write: bool):
     return tuple(write_blocks(pages, block_ids, new, native_write) for pages, new in zip(kv_cache, blocks))
 
 
-def host_memory_sharding(mesh):
+def host_memory_sharding(mesh, replicated: bool = False):
     """The cache's sharding in pinned host memory where every device has it (GPU, TPU, recent CPU), else
     None (numpy: single-process only)."""
     if all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in mesh.devices.flat):
-        return kv_cache_sharding(mesh, memory_kind="pinned_host")
+        return kv_cache_sharding(mesh, memory_kind="pinned_host", replicated=replicated)
     return None
 
 
 def kv_bytes_per_block(cfg, block_size, dtype, page_dims: tuple[int, int] | None = None) -> int:
-    """Bytes of one block id over the pool's slots (every layer, or every layer of a KV cache group), K and V,
-    with pages of `page_dims` (KV heads, head dim): default the model's (a quantized dtype's rows with their
-    scale: pallas_kernels/kv_quant.py); the TPU pads them (Kernels.kv_page_dims)."""
-    heads, dim = page_dims or (cfg.num_kv_heads, page_dim(cfg.head_dim, dtype))
-    return 2 * kv_cache_groups(cfg).num_slots * block_size * heads * dim * jnp.dtype(dtype).itemsize
+    """Bytes of one block id over the pool's slots (every layer, or every layer of a KV cache group), K and V
+    (MLA: the one latent array), with pages of `page_dims` (KV heads, head dim): default the model's (a quantized
+    dtype's rows with their scale: pallas_kernels/kv_quant.py); the TPU pads them (Kernels.kv_page_dims)."""
+    arrays, heads, dim = cfg.kv_cache_layout
+    heads, dim = page_dims or (heads, page_dim(dim, dtype))
+    return arrays * kv_cache_groups(cfg).num_slots * block_size * heads * dim * jnp.dtype(dtype).itemsize
 
 
 def memory_stats_device(devices):
@@ -78,15 +79,17 @@ class KVCacheStore:
                  native_write: bool, page_dims: tuple[int, int] | None = None):
         """`page_dims`: the pages' (KV heads, head dim) (Kernels.kv_page_dims; default the model's, with a
         quantized dtype's scale)."""
-        heads, dim = page_dims or (cfg.num_kv_heads, page_dim(cfg.head_dim, dtype))
-        self.device_sharding = kv_cache_sharding(mesh)
+        arrays, heads, dim = cfg.kv_cache_layout
+        heads, dim = page_dims or (heads, page_dim(dim, dtype))
+        self.device_sharding = kv_cache_sharding(mesh, replicated=cfg.mla)
         # Committed to the devices from the start: every later cache (step or swap output) is too, so the jitted
         # step sees one input placement and compiles each shape once. Zeros made in place on each device: no full
         # copy of the cache anywhere.
         self.pages: KVCache = jax.jit(
-            functools.partial(init_kv_cache, kv_cache_groups(cfg).num_slots, num_blocks, block_size, heads, dim, dtype),
-            out_shardings=(self.device_sharding, self.device_sharding))()
-        self.host_sharding = host_memory_sharding(mesh)
+            functools.partial(init_kv_cache, kv_cache_groups(cfg).num_slots, num_blocks, block_size, heads, dim, dtype,
+                              arrays),
+            out_shardings=(self.device_sharding,) * arrays)()
+        self.host_sharding = host_memory_sharding(mesh, replicated=cfg.mla)
         self.swap_buckets = swap_buckets
         self.native_write = native_write  # swap-ins through the native row write (one CPU device)
         self.swapped: dict[str, tuple] = {}  # request id -> its swapped-out blocks, in host memory

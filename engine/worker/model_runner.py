@@ -29,7 +29,7 @@ from engine.worker.sampler import build_sampling_metadata, fetch_sample, sampler
 from engine.worker.step import pooling_step, prompt_logprobs_step, sample_step
 from models.loading import LoadedModel
 from models.mesh import make_mesh
-from models.paged import kv_cache_groups
+from models.paged import cache_page_dims, kv_cache_groups
 from models.transformer import StaticGraphDef
 from pallas_kernels.kernels import Kernels
 from pallas_kernels.kv_quant import resolve_kv_dtype
@@ -98,8 +98,7 @@ class ModelRunner:
         kv_dtype = jnp.dtype(model.dtype) if kv_dtype is None else resolve_kv_dtype(kv_dtype)  # "int8", "fp8" too
         self.kv = KVCacheStore(model.cfg, num_blocks, block_size, kv_dtype, self.mesh,
                                self.buckets.swap_blocks, native_write=kernels.native and self.mesh.size == 1,
-                               page_dims=kernels.kv_page_dims(model.cfg.num_kv_heads, model.cfg.head_dim,
-                                                              kv_dtype, self.mesh.size))
+                               page_dims=cache_page_dims(model.cfg, kernels, kv_dtype, self.mesh.size))
         self.requests: dict[str, CachedRequestState] = {}  # the worker's requests, by id
         self.input_batch = InputBatch(self.requests, max_num_seqs, self.buckets.width * self.buckets.kv_groups,
                                       block_size, max_model_len)

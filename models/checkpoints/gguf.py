@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 GGUF_SUFFIX = ".gguf"
 # general.architecture -> Ferry's model_type. llama.cpp writes Mistral and SmolLM as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
-                 "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite"}
+                 "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite",
+                 "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # "llama" with experts: Mixtral (hf_config)
 # The architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE (LlamaModel.permute).
 _PERMUTED_QK = ("llama", "granite")
 # Gemma's RMSNorm scales by (1 + w); llama.cpp's converter stores 1 + w (its norm_shift), read back as w.
@@ -50,6 +51,12 @@ _LAYER_TENSORS = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # mixture of experts: the router, the experts' [E, out, in] stacks (read as one tensor per expert), Qwen2-MoE's
+    # shared expert and its gate
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Where an architecture's tensor means something else: Gemma 2/3's ffn_norm is the pre-MLP norm beside the
 # post-attention one; Phi-3's ffn_up holds gate and up fused.
@@ -230,7 +237,28 @@ def hf_config(meta: dict, tensor_names: set[str], source: str, rope_factors: dic
     if rope_factors:
         hf["rope_scaling"] = _longrope(meta, arch, hf, rope_factors, source)
     hf.update(_family_fields(meta, arch, hf))
+    hf.update(_expert_fields(meta, arch, hf, source))
     return hf
+
+
+def _expert_fields(meta: dict, arch: str, hf: dict, source: str) -> dict:
+    """A mixture of experts' config from llama.cpp's expert keys: Mixtral (written as "llama" with experts; its
+    feed_forward_length is the experts'), Qwen2-MoE and Qwen3-MoE (the experts' own feed-forward length; llama.cpp
+    renormalises Qwen3-MoE's top-k weights, as its released configs set norm_topk_prob)."""
+    count = meta.get(f"{arch}.expert_count")
+    if not count:
+        return {}
+    used = meta.get(f"{arch}.expert_used_count")
+    if used is None:
+        raise ConfigError(f"{source}: missing GGUF metadata {arch}.expert_used_count")
+    out = {"num_experts_per_tok": int(used)}
+    if arch == "llama":
+        return {**out, "model_type": "mixtral", "num_local_experts": int(count)}
+    out |= {"num_experts": int(count), "moe_intermediate_size": int(meta[f"{arch}.expert_feed_forward_length"]),
+            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", arch == "qwen3moe"))}
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(meta[f"{arch}.expert_shared_feed_forward_length"])
+    return out
 
 
 def _longrope(meta: dict, arch: str, hf: dict, rope_factors: dict, source: str) -> dict:
@@ -321,7 +349,8 @@ def checkpoint_tensors(gguf: GGUFFile, hf: dict, dequantize: bool = False):
             raise ConfigError(f"{gguf.path}: tensor {tensor.name!r} has no place in a {hf['model_type']} model")
     _log_dequantized(gguf, arch, dequantize)
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
-        yield from pool.map(lambda tensor: _read_tensor(gguf.path, tensor, hf, arch, dequantize), weights)
+        for tensors in pool.map(lambda tensor: _read_tensor(gguf.path, tensor, hf, arch, dequantize), weights):
+            yield from tensors
 
 
 def _packable(tensor: GGUFTensor, arch: str) -> bool:
@@ -364,7 +393,13 @@ def _read_tensor(path: str, tensor: GGUFTensor, hf: dict, arch: str, dequantize:
         weight = jax.tree.map(lambda rows: unpermute_rows(rows, heads[role]), weight)
     if arch in _NORM_SHIFTED and tensor.name.endswith("norm.weight"):
         weight = weight - np.float32(1.0)
-    return path, hf_tensor_name(tensor.name, arch), weight
+    name = hf_tensor_name(tensor.name, arch)
+    if role and role.endswith("_exps"):  # [E, out, in]: each expert's matrix, as Hugging Face names them
+        module, _, proj = name.rpartition(".experts.")
+        return [(path, f"{module}.experts.{e}.{proj}", expert) for e, expert in enumerate(weight)]
+    if role == "ffn_gate_inp_shexp":  # [hidden] as llama.cpp stores it; transformers' Linear(hidden, 1)
+        weight = weight.reshape(1, -1)
+    return [(path, name, weight)]
 
 
 def default_dtype(gguf: GGUFFile, dequantize: bool = True) -> str:

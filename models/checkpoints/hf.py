@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from models.checkpoints import compressed
+from models.checkpoints import compressed, mxfp4
 from models.checkpoints.tensors import Checkpoint
 from models.config import load_hf_config, read_json
 
@@ -20,7 +20,10 @@ def read_checkpoint(model_dir: str) -> Checkpoint:
     cfg, hf = load_hf_config(model_dir)
     source = f"{model_dir}/config.json"
     tensors = safetensors_tensors(model_dir)
-    if hf.get("quantization_config"):
+    if hf.get("quantization_config") and cfg.model_type == "gpt_oss":  # MXFP4 experts, dequantized
+        mxfp4.check_quantization_config(hf["quantization_config"], source)
+        tensors = mxfp4.dequantized_tensors(tensors)
+    elif hf.get("quantization_config"):
         plan = compressed.read_quantization_config(hf["quantization_config"], source)
         tensors = compressed.quantized_tensors(plan, safetensors_keys(model_dir), tensors, model_dir)
     return Checkpoint(cfg, hf.get("dtype") or hf.get("torch_dtype") or "float32", tensors,

@@ -199,8 +199,20 @@ struct Problem {
   float scale;
   float soft_cap;  // 0: none
   int64_t window = 0;  // sliding window: a row at position p sees keys > p - window (0: none)
+  const float* sinks = nullptr;  // attention sinks [num_q_heads] (gpt-oss; StartFromSinks), or null: none
   TileKind tiles = TileKind::kVector;
 };
+
+// Attention sinks: each query vector's online softmax starts as if it had seen one key of logit sinks[head] and
+// no value, m = sink and l = exp(sink - m) = 1, so the sink joins the denominator only; a vector that then sees
+// no key comes out as zeros (acc 0), as without sinks. head_of(i): query vector i's query head.
+template <typename HeadOf>
+FERRY_INLINE void StartFromSinks(const float* sinks, int64_t n, HeadOf head_of, float* m, float* l) {
+  for (int64_t i = 0; i < n; ++i) {
+    m[i] = sinks[head_of(i)];
+    l[i] = 1.0f;
+  }
+}
 
 // n rows of one kv head of one page as float32: float pages are used in place, bfloat16 ones are
 // widened into `buf` (once per page and head, shared by every query vector of the group).
@@ -412,6 +424,8 @@ FERRY_INLINE void AttendTileImpl(const Problem<TQ, TKV>& p, const Tile& tile, Sc
   std::fill(acc, acc + M * D, 0.0f);
   std::fill(mx, mx + M, -std::numeric_limits<float>::infinity());
   std::fill(l, l + M, 0.0f);
+  if (p.sinks != nullptr)  // vector (r * NH + hh) * G + gi: query head (head0 + hh) * G + gi
+    StartFromSinks(p.sinks, M, [&](int64_t mi) { return tile.head0 * G + mi % (NH * G); }, mx, l);
 
   const TilePages pages(p.tables, g, tile, max_keys);
   const float cap = p.soft_cap;
@@ -641,7 +655,7 @@ ffi::Error CheckCommon(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 template <typename TQ, typename TKV>
 Problem<TQ, TKV> MakeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g,
-                             float scale, float soft_cap, int64_t window, TileKind tiles) {
+                             float scale, float soft_cap, int64_t window, const float* sinks, TileKind tiles) {
   Problem<TQ, TKV> p;
   p.q = static_cast<const TQ*>(q.untyped_data());
   p.k = static_cast<const TKV*>(k.untyped_data());
@@ -652,6 +666,7 @@ Problem<TQ, TKV> MakeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer 
   p.scale = scale;
   p.soft_cap = soft_cap > 0.0f ? soft_cap : 0.0f;
   p.window = window > 0 ? window : 0;
+  p.sinks = sinks;
   p.tiles = tiles;
   return p;
 }
@@ -675,23 +690,31 @@ TileKind AttentionTiles(const Geometry& g, bool decode, int64_t window) {
 // The tiles over the dtype pair CheckCommon accepted.
 void RunAnyDtype(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                  ffi::Buffer<ffi::S32> tables, ffi::AnyBuffer out, const Geometry& g, float scale,
-                 float soft_cap, int64_t window, const std::vector<Tile>& tiles, bool decode) {
+                 float soft_cap, int64_t window, const float* sinks, const std::vector<Tile>& tiles, bool decode) {
   const TileKind kind = AttentionTiles(g, decode, window);
   const bool q_f32 = q.element_type() == ffi::DataType::F32;
   const bool kv_f32 = k.element_type() == ffi::DataType::F32;
   if (k.element_type() == ffi::DataType::S8) {
-    if (q_f32) RunTiles(pool, MakeProblem<float, int8_t>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
-    else RunTiles(pool, MakeProblem<uint16_t, int8_t>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
+    if (q_f32) RunTiles(pool, MakeProblem<float, int8_t>(q, k, v, tables, out, g, scale, soft_cap, window, sinks, kind), tiles, decode);
+    else RunTiles(pool, MakeProblem<uint16_t, int8_t>(q, k, v, tables, out, g, scale, soft_cap, window, sinks, kind), tiles, decode);
   } else if (k.element_type() == ffi::DataType::F8E4M3FN) {
-    if (q_f32) RunTiles(pool, MakeProblem<float, Fp8E4M3>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
-    else RunTiles(pool, MakeProblem<uint16_t, Fp8E4M3>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
+    if (q_f32) RunTiles(pool, MakeProblem<float, Fp8E4M3>(q, k, v, tables, out, g, scale, soft_cap, window, sinks, kind), tiles, decode);
+    else RunTiles(pool, MakeProblem<uint16_t, Fp8E4M3>(q, k, v, tables, out, g, scale, soft_cap, window, sinks, kind), tiles, decode);
   } else if (q_f32 && kv_f32) {
-    RunTiles(pool, MakeProblem<float, float>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
+    RunTiles(pool, MakeProblem<float, float>(q, k, v, tables, out, g, scale, soft_cap, window, sinks, kind), tiles, decode);
   } else if (q_f32) {
-    RunTiles(pool, MakeProblem<float, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
+    RunTiles(pool, MakeProblem<float, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, window, sinks, kind), tiles, decode);
   } else {
-    RunTiles(pool, MakeProblem<uint16_t, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, window, kind), tiles, decode);
+    RunTiles(pool, MakeProblem<uint16_t, uint16_t>(q, k, v, tables, out, g, scale, soft_cap, window, sinks, kind), tiles, decode);
   }
+}
+
+// The sinks operand: [num_q_heads] float32 attention sinks, or [0] for none (null).
+ffi::Error SinksOperand(ffi::Buffer<ffi::F32> sinks, const Geometry& g, const float** out) {
+  if (sinks.element_count() != 0 && static_cast<int64_t>(sinks.element_count()) != g.num_q_heads)
+    return ffi::Error::InvalidArgument("ferry paged attention: sinks must be [num_q_heads] float32, or [0] (none)");
+  *out = sinks.element_count() != 0 ? sinks.typed_data() : nullptr;
+  return ffi::Error::Success();
 }
 
 // ----------------------------------------------------------------------------- decode
@@ -716,9 +739,11 @@ std::vector<Tile> DecodeTiles(const Geometry& g, const std::vector<int64_t>& seq
 
 ffi::Error DecodeBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> window,
-                      ffi::Result<ffi::AnyBuffer>& out, float scale, float soft_cap) {
+                      ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer>& out, float scale, float soft_cap) {
   Geometry g;
   if (auto err = CheckCommon(q, k, v, tables, lens, *out, &g); err.failure()) return err;
+  const float* sink_logits = nullptr;
+  if (auto err = SinksOperand(sinks, g, &sink_logits); err.failure()) return err;
   if (window.element_count() != 1)
     return ffi::Error::InvalidArgument("ferry paged attention: sliding_window must be one int32");
   const int64_t w = window.typed_data()[0];
@@ -729,7 +754,7 @@ ffi::Error DecodeBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   std::vector<int64_t> seqs(S);
   std::iota(seqs.begin(), seqs.end(), int64_t{0});
   const std::vector<Tile> tiles = DecodeTiles(g, seqs, nullptr, lens.typed_data());
-  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, w, tiles, /*decode=*/true);
+  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, w, sink_logits, tiles, /*decode=*/true);
   return ffi::Error::Success();
 }
 
@@ -737,10 +762,12 @@ ffi::Error DecodeBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
 
 ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> window,
-                       ffi::Buffer<ffi::S32> query_start_loc, ffi::Result<ffi::AnyBuffer>& out,
-                       float scale, float soft_cap) {
+                       ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::F32> sinks,
+                       ffi::Result<ffi::AnyBuffer>& out, float scale, float soft_cap) {
   Geometry g;
   if (auto err = CheckCommon(q, k, v, tables, lens, *out, &g); err.failure()) return err;
+  const float* sink_logits = nullptr;
+  if (auto err = SinksOperand(sinks, g, &sink_logits); err.failure()) return err;
   if (window.element_count() != 1)
     return ffi::Error::InvalidArgument("ferry paged attention: sliding_window must be one int32");
   const int64_t w = window.typed_data()[0];
@@ -789,9 +816,9 @@ ffi::Error PrefillBody(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
     return a.first_pos + a.nrows > b.first_pos + b.nrows;
   });
-  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, w, DecodeTiles(g, one_row, qsl, ctx),
+  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, w, sink_logits, DecodeTiles(g, one_row, qsl, ctx),
               /*decode=*/true);
-  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, w, tiles, /*decode=*/false);
+  RunAnyDtype(pool, q, k, v, tables, *out, g, scale, soft_cap, w, sink_logits, tiles, /*decode=*/false);
   return ffi::Error::Success();
 }
 
@@ -835,6 +862,8 @@ struct PrefillLanes {
     std::fill(t.acc, t.acc + lanes * D, 0.0f);
     std::fill(t.mx, t.mx + lanes, -std::numeric_limits<float>::infinity());
     std::fill(t.l, t.l + lanes, 0.0f);
+    if (p.sinks != nullptr)  // the M real vectors; padding lanes stay empty
+      StartFromSinks(p.sinks, M, [&](int64_t m) { return tile.head0 * G + m % G; }, t.mx, t.l);
     return t;
   }
 

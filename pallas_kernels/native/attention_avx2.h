@@ -105,6 +105,8 @@ FERRY_AVX2 void DecodeTileAvx2Of(const Problem<TQ, TKV>& p, const Tile& tile, Sc
   std::fill(acc, acc + (M + 1) * D, 0.0f);
   std::fill(mx, mx + M + 1, -std::numeric_limits<float>::infinity());
   std::fill(l, l + M + 1, 0.0f);
+  if (p.sinks != nullptr)  // vector hh * G + gi: query head head0 * G + itself; the twin slot M stays empty
+    StartFromSinks(p.sinks, M, [&](int64_t mi) { return tile.head0 * G + mi; }, mx, l);
   const float cap = p.soft_cap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   const TilePages pages(p.tables, g, tile, TileKeys(g, tile));
   for (int64_t j0 = 0; j0 < pages.count; j0 += kDecodeGroupPages) {

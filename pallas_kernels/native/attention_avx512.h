@@ -226,6 +226,8 @@ FERRY_AVX512 void DecodeTileAvx512Of(const Problem<TQ, TKV>& p, const Tile& tile
   std::fill(acc, acc + (M + 1) * D, 0.0f);
   std::fill(mx, mx + M + 1, -std::numeric_limits<float>::infinity());
   std::fill(l, l + M + 1, 0.0f);
+  if (p.sinks != nullptr)  // vector hh * G + gi: query head head0 * G + itself; the twin slot M stays empty
+    StartFromSinks(p.sinks, M, [&](int64_t mi) { return tile.head0 * G + mi; }, mx, l);
 
   // Tree A holds keys 0-7 (accumulators 0-7: the first query vector, 8-15: the second), tree B keys 8-15.
   alignas(64) int32_t pick[2][16];

@@ -2,9 +2,10 @@
 // FFI handlers:
 //
 //   FerryPagedDecodeAttention   q [S, Hq, D], k/v pages [NB, BS, Hkv, D], block_tables [S, W] i32,
-//                               context_lens [S] i32, sliding_window [] i32  -> out [S, Hq, D]
+//                               context_lens [S] i32, sliding_window [] i32, sinks [Hq] or [0] f32
+//                               -> out [S, Hq, D]
 //   FerryPagedPrefillAttention  q [T, Hq, D], k/v pages, block_tables, context_lens, sliding_window,
-//                               query_start_loc [S + 1] i32               -> out [T, Hq, D]
+//                               query_start_loc [S + 1] i32, sinks        -> out [T, Hq, D]
 //   FerryKvWrite                pages [..., NB, BS, Hkv, D], new [T, Hkv, D] (pages' dtype),
 //                               slot_mapping [T] i32  -> pages with row slot_mapping[t] = new[t]
 //                               (rows of the leading dims in order; aliased in place; slots outside
@@ -18,11 +19,17 @@
 //                               scales [L, P, 4, G, 16] f32, offsets (scales' shape, or [0]: none), layer,
 //                               rows -> x[:rows] @ dequantize(w[layer]) (see "Quantized weights" in matmul.h);
 //                               FerryStackedMatmul's attributes and kind (1 int8, 2 int4, 3 uint4)
+//   FerryGroupedMatmul          x [M, K] (rows sorted by expert), w [L * E, ...] packed (FerryStackedMatmul's),
+//                               first [] i32, group_sizes [E] i32 -> expert e's rows x[r_e : r_e + g_e] @
+//                               w[first + e] (r_e = sum of g before e), rows past the groups zeros; the
+//                               attributes act and groups (a mixture of experts' ragged dot)
+//   FerryGroupedMatmulQuantized the same over FerryStackedMatmulQuantized's operands (values, scales, offsets)
 //   FerryRmsNorm                x [M, K] f32 or bf16, w [K] (x's dtype)     -> RMSNorm(x) [M, K]
 //   FerryAddRmsNorm             x [M, K], delta [M, K] (f32 or x's dtype), w [K]
 //                               -> sum = x + delta (x's dtype), RMSNorm(sum) (see rms_norm.h)
 //
-// Attributes: scale (f32) and soft_cap (f32; 0 = no cap). Semantics are those of
+// Attributes: scale (f32) and soft_cap (f32; 0 = no cap); sinks: attention sinks (gpt-oss) per query head, [0]
+// for none (attention.h's StartFromSinks). Semantics are those of
 // pallas_kernels/reference.py: a query's absolute position is context_len - query_len + its index
 // in the chunk, it attends to keys at positions <= its own (and < W * BS; under a sliding window > 0, the last
 // `window` of them: table entries wholly before it are never read), rows that attend to
@@ -49,7 +56,7 @@
 //   matmul.h            the stacked matmul's packed layout and problem, portable loop, gated activation
 //   matmul_avx512.h     its AVX-512 panel tiles      matmul_avx2.h      its AVX2 panel tiles
 //   attention_avx2.h    attention's AVX2 tiles       attention_avx512.h attention's AVX-512 tiles
-//   stacked_matmul.h    the stacked matmul's work distribution and body
+//   stacked_matmul.h    the stacked matmul's work distribution and body, and the grouped (experts') one
 //   rms_norm.h          RMSNorm and the residual add
 // The includes' order is the order in which GCC sees the definitions, and its code can depend on it (with
 // matmul_avx2.h's LeadingLanes8 ahead of attention.h, TileWork::Run compiled differently): in this order the
@@ -90,18 +97,36 @@ ffi::Error StackedMatmulQuantizedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ff
   });
 }
 
+ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> first,
+                             ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> y, int32_t act,
+                             int32_t groups) {
+  return Guarded([&] { return GroupedMatmulBody(pool, x, w, first, group_sizes, y, act, groups); });
+}
+
+ffi::Error GroupedMatmulQuantizedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                                      ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::Buffer<ffi::S32> first,
+                                      ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> y, int32_t act,
+                                      int32_t groups, int32_t kind) {
+  return Guarded([&] {
+    if (kind < 1 || kind > 3)
+      return ffi::Error::InvalidArgument("ferry grouped matmul: kind must be 1 (int8), 2 (int4) or 3 (uint4)");
+    const QuantOperands quant{scales, offsets, kind};
+    return GroupedMatmulBody(pool, x, values, first, group_sizes, y, act, groups, &quant);
+  });
+}
+
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> window,
-                      ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap) {
-  return Guarded([&] { return DecodeBody(pool, q, k, v, tables, lens, window, out, scale, soft_cap); });
+                      ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap) {
+  return Guarded([&] { return DecodeBody(pool, q, k, v, tables, lens, window, sinks, out, scale, soft_cap); });
 }
 
 ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> window,
-                       ffi::Buffer<ffi::S32> query_start_loc, ffi::Result<ffi::AnyBuffer> out,
-                       float scale, float soft_cap) {
+                       ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::F32> sinks,
+                       ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap) {
   return Guarded([&] {
-    return PrefillBody(pool, q, k, v, tables, lens, window, query_start_loc, out, scale, soft_cap);
+    return PrefillBody(pool, q, k, v, tables, lens, window, query_start_loc, sinks, out, scale, soft_cap);
   });
 }
 
@@ -125,7 +150,7 @@ ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 
 // Both attention handlers' bindings: the thread pool; q, k_pages, v_pages, block_tables, context_lens,
 // sliding_window, then
-// `more_args`; the output; the scale and soft_cap attributes. A macro rather than a helper
+// `more_args` (and the sinks last); the output; the scale and soft_cap attributes. A macro rather than a helper
 // function: a helper shifts GCC's file-wide inlining budget and with it the code of the
 // AttendTile* kernels, while the macro leaves the library's code as it is.
 #define FERRY_PAGED_ATTENTION_BINDING(more_args)                 \
@@ -142,11 +167,14 @@ ffi::Error AddRmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
       .Attr<float>("soft_cap")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryPagedDecodeAttention, DecodeImpl,
-                              FERRY_PAGED_ATTENTION_BINDING());
+                              FERRY_PAGED_ATTENTION_BINDING(
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  ));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryPagedPrefillAttention, PrefillImpl,
                               FERRY_PAGED_ATTENTION_BINDING(
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
                                   ));
 
 #undef FERRY_PAGED_ATTENTION_BINDING
@@ -184,6 +212,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryStackedMatmulQuantized, StackedMatmulQuantize
                                   .Attr<int32_t>("groups")
                                   .Attr<int32_t>("round_bf16")
                                   .Attr<int32_t>("kind"));  // 1 int8, 2 int4, 3 uint4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryGroupedMatmul, GroupedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K], rows sorted by expert
+                                  .Arg<ffi::AnyBuffer>()  // w [L * E, P, 4, KP, 16E] f32 or bf16, packed
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // first []: expert 0's stack entry
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
+                                  .Ret<ffi::AnyBuffer>()  // y [M, N] f32; gated: [M, N/2] f32 or bf16
+                                  .Attr<int32_t>("act")
+                                  .Attr<int32_t>("groups"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryGroupedMatmulQuantized, GroupedMatmulQuantizedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K] f32 or bf16, rows sorted by expert
+                                  .Arg<ffi::AnyBuffer>()  // values [L * E, P, 4, KP, 16] s8 or u8, packed
+                                  .Arg<ffi::AnyBuffer>()  // scales [L * E, P, 4, G, 16] f32
+                                  .Arg<ffi::AnyBuffer>()  // offsets: scales' shape, or [0] (none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // first []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [E]
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("act")
+                                  .Attr<int32_t>("groups")
+                                  .Attr<int32_t>("kind"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FerryRmsNorm, RmsNormImpl,
                               ffi::Ffi::Bind()
@@ -246,6 +299,8 @@ extern "C" const FerryFfiTarget* FerryFfiTargets(int32_t* count) {
       {"ferry_kv_write", FerryKvWrite},
       {"ferry_stacked_matmul", FerryStackedMatmul},
       {"ferry_stacked_matmul_quantized", FerryStackedMatmulQuantized},
+      {"ferry_grouped_matmul", FerryGroupedMatmul},
+      {"ferry_grouped_matmul_quantized", FerryGroupedMatmulQuantized},
       {"ferry_rms_norm", FerryRmsNorm},
       {"ferry_add_rms_norm", FerryAddRmsNorm},
   };

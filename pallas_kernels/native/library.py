@@ -39,7 +39,7 @@ _log = logging.getLogger(__name__)
 
 # The calling convention between ops.py and the kernels (attributes, operands, layouts): bump it with any change
 # to them. The build passes it in (-DFERRY_ABI_VERSION) and the library reports it back.
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCE = SOURCE_DIR / "ferry_native.cc"  # the one translation unit

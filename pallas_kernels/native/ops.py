@@ -1,19 +1,21 @@
 """The native CPU kernels as JAX ops: XLA FFI calls into the library (pallas_kernels/native/library.py).
 
   paged_decode_attention_native(q, k_pages, v_pages, block_tables, context_lens, *, scale, soft_cap=None,
-                                sliding_window=None)
+                                sliding_window=None, sinks=None)
   paged_prefill_attention_native(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale,
-                                 soft_cap=None, sliding_window=None)
+                                 soft_cap=None, sliding_window=None, sinks=None)
 
 take exactly the arguments of the references in pallas_kernels/reference.py and match them (float32
 and bfloat16, q and pages of one dtype, or float32 q over bfloat16 pages: a bf16 KV cache under a
 float32 model, or quantized int8 / float8_e4m3fn pages (pallas_kernels/kv_quant.py); GQA/MQA; any
-head_dim and block size; optional soft cap and sliding window).
+head_dim and block size; optional soft cap, sliding window and attention sinks).
 `stacked_matmul(x, packed, layer, n=N)` is x @ w[layer] for a [L, K, N] stack of weights (float32 or bfloat16, or
 a pallas_kernels.quantized.QuantizedWeight of int8, int4 or uint4 values with per-group scales and offsets) packed once
 by `pack_stacked`, reading that layer's panels in place (the scanned decoder layers' linears: XLA CPU copies a
-dynamic slice before its library dot). `packed_columns` reads columns back from a packed stack (a tied
-embedding table from the packed LM head).
+dynamic slice before its library dot). `grouped_matmul(x, packed, first, group_sizes, n=N)` is a mixture of
+experts' ragged dot (x's rows sorted by expert, expert e's through stack entry first + e) over every layer's
+experts packed as one stack, the layer's experts read in place. `packed_columns` reads columns back from a
+packed stack (a tied embedding table from the packed LM head).
 `kv_write(pages, updates, slot_mapping)` scatters one step's K or V rows into the pages in place (XLA
 CPU's own scatter into a 16-bit float cache rewrites every page). `rms_norm(x, w, eps=, offset=, delta=)` is a
 decoder layer's RMSNorm (with delta: the residual add before it) in one call, where XLA CPU runs several
@@ -75,25 +77,35 @@ def _window(sliding_window):
     return jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
 
 
+def _sinks(sinks, num_q_heads: int):
+    """The sinks operand: float32 [Hq] attention sinks, or [0] (none: the kernels then run as without)."""
+    if sinks is None:
+        return jnp.zeros((0,), jnp.float32)
+    if jnp.shape(sinks) != (num_q_heads,):
+        raise ValueError(f"sinks must be [num_q_heads] = [{num_q_heads}], got {jnp.shape(sinks)}")
+    return jnp.asarray(sinks, jnp.float32)
+
+
 def paged_decode_attention_native(q, k_pages, v_pages, block_tables, context_lens, *, scale,
-                                  soft_cap=None, sliding_window=None):
+                                  soft_cap=None, sliding_window=None, sinks=None):
     """One query token per sequence: q [S, Hq, D] -> [S, Hq, D] (reference semantics)."""
     _check(DECODE_TARGET, q, k_pages, v_pages)
     call = jax.ffi.ffi_call(DECODE_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
                             vmap_method="sequential")
     return call(q, k_pages, v_pages, jnp.asarray(block_tables, jnp.int32),
-                jnp.asarray(context_lens, jnp.int32), _window(sliding_window), **_attrs(scale, soft_cap))
+                jnp.asarray(context_lens, jnp.int32), _window(sliding_window), _sinks(sinks, q.shape[1]),
+                **_attrs(scale, soft_cap))
 
 
 def paged_prefill_attention_native(q, k_pages, v_pages, block_tables, context_lens,
-                                   query_start_loc, *, scale, soft_cap=None, sliding_window=None):
+                                   query_start_loc, *, scale, soft_cap=None, sliding_window=None, sinks=None):
     """Flat query tokens of several sequences: q [T, Hq, D] -> [T, Hq, D] (reference semantics)."""
     _check(PREFILL_TARGET, q, k_pages, v_pages)
     call = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
                             vmap_method="sequential")
     return call(q, k_pages, v_pages, jnp.asarray(block_tables, jnp.int32),
                 jnp.asarray(context_lens, jnp.int32), _window(sliding_window),
-                jnp.asarray(query_start_loc, jnp.int32), **_attrs(scale, soft_cap))
+                jnp.asarray(query_start_loc, jnp.int32), _sinks(sinks, q.shape[1]), **_attrs(scale, soft_cap))
 
 
 def kv_write(pages, updates, slot_mapping):
@@ -131,6 +143,8 @@ def packed_shape(num_layers: int, k: int, n: int, dtype, groups: int = 1) -> tup
 
 QUANTIZED_TARGET = "ferry_stacked_matmul_quantized"
 QUANTIZED_KINDS = {"int8": 1, "int4": 2, "uint4": 3}  # the kernel's kind attribute
+GROUPED_MATMUL_TARGET = "ferry_grouped_matmul"
+GROUPED_QUANTIZED_TARGET = "ferry_grouped_matmul_quantized"
 
 
 def _is_quantized(w) -> bool:
@@ -326,14 +340,7 @@ def stacked_matmul(x, packed_w, layer, *, n: int, groups: int = 1, gated: str | 
         return _stacked_matmul_quantized(x, packed_w, layer, n=n, groups=groups, gated=gated, dtype=dtype,
                                          round_to=round_to, rows=rows)
     library.require(STACKED_MATMUL_TARGET)
-    if packed_w.dtype not in SUPPORTED_DTYPES or x.dtype not in {jnp.dtype(jnp.float32), packed_w.dtype}:
-        raise ValueError(f"native stacked matmul takes float32 or bfloat16 weights and float32 x (or x of the "
-                         f"weights' dtype); got x {x.dtype}, packed_w {packed_w.dtype}")
-    want = (packed_shape(packed_w.shape[0], x.shape[-1], n, packed_w.dtype, groups)
-            if packed_w.ndim == PACKED_RANK else None)
-    if tuple(packed_w.shape) != want or n % groups:
-        raise ValueError(f"native stacked matmul: packed_w must be pack_stacked(w [L, K, {n}], groups={groups}) "
-                         f"for x [..., K]; got x {x.shape}, packed_w {packed_w.shape}")
+    _check_packed(x, packed_w, n, groups)
     width, round_bf16 = _check_epilogue(n, groups, gated, dtype, round_to)
     x2 = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(STACKED_MATMUL_TARGET,
@@ -350,6 +357,35 @@ def _stacked_matmul_quantized(x, packed, layer, *, n, groups, gated, dtype, roun
     """stacked_matmul for a packed QuantizedWeight: x @ dequantize(w[layer]), the float32 path's bits on the
     dequantized weights (bf16 x: on x widened)."""
     library.require(QUANTIZED_TARGET)
+    operands, kind = _quantized_operands(x, packed, n, groups)
+    width, round_bf16 = _check_epilogue(n, groups, gated, dtype, round_to)
+    x2 = x.reshape(-1, x.shape[-1])
+    call = jax.ffi.ffi_call(QUANTIZED_TARGET,
+                            jax.ShapeDtypeStruct((x2.shape[0], width), dtype if gated else jnp.float32),
+                            vmap_method="sequential")
+    rows = x2.shape[0] if rows is None else rows
+    y = call(x2, *operands, jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(rows, jnp.int32).reshape(()),
+             act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)), groups=np.int32(groups),
+             round_bf16=np.int32(round_bf16), kind=np.int32(QUANTIZED_KINDS[kind]))
+    return y.reshape(*x.shape[:-1], width)
+
+
+def _check_packed(x, packed_w, n, groups):
+    """Raise unless packed_w is a float32 or bfloat16 pack_stacked(w [L, K, n], groups) for x [..., K] (float32,
+    or of the weights' dtype)."""
+    if packed_w.dtype not in SUPPORTED_DTYPES or x.dtype not in {jnp.dtype(jnp.float32), packed_w.dtype}:
+        raise ValueError(f"native stacked matmul takes float32 or bfloat16 weights and float32 x (or x of the "
+                         f"weights' dtype); got x {x.dtype}, packed_w {packed_w.dtype}")
+    want = (packed_shape(packed_w.shape[0], x.shape[-1], n, packed_w.dtype, groups)
+            if packed_w.ndim == PACKED_RANK else None)
+    if tuple(packed_w.shape) != want or n % groups:
+        raise ValueError(f"native stacked matmul: packed_w must be pack_stacked(w [L, K, {n}], groups={groups}) "
+                         f"for x [..., K]; got x {x.shape}, packed_w {packed_w.shape}")
+
+
+def _quantized_operands(x, packed, n, groups):
+    """((values, scales, offsets or [0]), kind): the quantized kernels' weight operands, checked to be a
+    pack_stacked(QuantizedWeight [L, K, n], groups) for x [..., K] (float32 or bfloat16)."""
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"native quantized stacked matmul takes float32 or bfloat16 x; got {x.dtype}")
     k = x.shape[-1]
@@ -369,17 +405,43 @@ def _stacked_matmul_quantized(x, packed, layer, *, n, groups, gated, dtype, roun
         raise ValueError(f"native stacked matmul: packed_w must be pack_stacked(w [L, K, {n}], groups={groups}) "
                          f"for x [..., K]; got x {x.shape}, values {values.shape}, scales {scales.shape}, "
                          f"offsets {None if offsets is None else offsets.shape}")
-    width, round_bf16 = _check_epilogue(n, groups, gated, dtype, round_to)
-    x2 = x.reshape(-1, x.shape[-1])
-    call = jax.ffi.ffi_call(QUANTIZED_TARGET,
-                            jax.ShapeDtypeStruct((x2.shape[0], width), dtype if gated else jnp.float32),
+    return (values, scales, jnp.zeros((0,), jnp.float32) if offsets is None else offsets), kind
+
+
+def grouped_matmul(x, packed_w, first, group_sizes, *, n: int, groups: int = 1, gated: str | None = None,
+                   dtype=jnp.float32):
+    """A mixture of experts' grouped (ragged) matmul over one layer's experts, their panels read where they lie
+    in a stack of every layer's: packed_w = pack_stacked(w.reshape(L * E, K, n), groups) for w [L, E, K, n]
+    (float32, bfloat16, or a QuantizedWeight as stacked_matmul takes), x [M, K] with its rows sorted by expert
+    (float32, or bfloat16 under bfloat16 or quantized weights), `first` an int32 scalar, the stack entry of the
+    layer's expert 0 (layer * E; clamped into [0, L * E - E] like a dynamic slice of E entries) and
+    `group_sizes` int32 [E]: expert e's rows are [sum(group_sizes[:e]), sum(group_sizes[:e + 1])) (a negative
+    size counts as 0; rows past M are dropped), each summed as stacked_matmul(x[rows], packed_w, first + e) sums
+    it (the same bits for float32 x). Rows past sum(group_sizes) (other devices' experts, padding) are zeros.
+    Reference: jax.lax.ragged_dot(x.astype(float32), w[layer].astype(float32), group_sizes) -> [M, n] float32.
+
+    `gated` ("silu" or "gelu_tanh", groups 2): stacked_matmul's fused [gate | up] activation, [M, n / 2] in
+    `dtype` (float32 or bfloat16; the zero rows too). One call runs every expert's panel items on the threads
+    together: a decode step's expert has a row or two."""
+    quantized = _is_quantized(packed_w)
+    target = GROUPED_QUANTIZED_TARGET if quantized else GROUPED_MATMUL_TARGET
+    library.require(target)
+    if quantized:
+        operands, kind = _quantized_operands(x, packed_w, n, groups)
+        attrs = dict(kind=np.int32(QUANTIZED_KINDS[kind]))
+    else:
+        _check_packed(x, packed_w, n, groups)
+        operands, attrs = (packed_w,), {}
+    entries = operands[0].shape[0]
+    if x.ndim != 2 or jnp.ndim(group_sizes) != 1 or not 0 < jnp.shape(group_sizes)[0] <= entries:
+        raise ValueError(f"native grouped matmul takes x [M, K] and group_sizes [E] with 0 < E <= the stack's "
+                         f"{entries} entries; got x {x.shape}, group_sizes {jnp.shape(group_sizes)}")
+    width, _ = _check_epilogue(n, groups, gated, dtype, None)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], width), dtype if gated else jnp.float32),
                             vmap_method="sequential")
-    rows = x2.shape[0] if rows is None else rows
-    y = call(x2, values, scales, jnp.zeros((0,), jnp.float32) if offsets is None else offsets,
-             jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(rows, jnp.int32).reshape(()),
-             act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)), groups=np.int32(groups),
-             round_bf16=np.int32(round_bf16), kind=np.int32(QUANTIZED_KINDS[kind]))
-    return y.reshape(*x.shape[:-1], width)
+    return call(x, *operands, jnp.asarray(first, jnp.int32).reshape(()), jnp.asarray(group_sizes, jnp.int32),
+                act=np.int32(-1 if gated is None else GATED_ACTIVATIONS.index(gated)), groups=np.int32(groups),
+                **attrs)
 
 
 def _check_epilogue(n, groups, gated, dtype, round_to):

@@ -200,9 +200,35 @@ struct QuantOperands {
   int32_t kind;
 };
 
-ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer>& y,
-                             int32_t act, int32_t groups, int32_t round_bf16, const QuantOperands* quant = nullptr) {
+// A stacked matmul call's operands, checked, and what does not depend on the stack entry or the rows: `base`
+// holds x and y at row 0 and the stack's entry 0 (w, scales, offsets), its m all of x's rows.
+struct StackedOperands {
+  Matmul base{nullptr, nullptr, nullptr, 0, 0, 0};
+  int64_t entries = 0;       // L: the stack's entries
+  int64_t entry_bytes = 0;   // from one entry's panels to the next
+  int64_t entry_scales = 0;  // floats from one entry's scales (and offsets) to the next
+  int64_t y_row_bytes = 0;   // the result's row (gated: the activation's, float32 or bfloat16)
+  bool x16 = false, dpbf16 = false;
+  const void* tiles = nullptr;  // MatmulWork::tiles
+
+  // The problem of rows [r0, r0 + rows) (of x and y, or of the buffers RowBuffers put in their place) over
+  // stack entry `entry`: the same call as x[r0 : r0 + rows] alone would make.
+  Matmul Entry(int64_t entry, int64_t r0, int64_t rows) const {
+    Matmul p = base;
+    p.w = static_cast<const char*>(base.w) + entry * entry_bytes;
+    if (p.scales != nullptr) p.scales += entry * entry_scales;
+    if (p.offsets != nullptr) p.offsets += entry * entry_scales;
+    p.x += r0 * p.k;
+    if (p.x16 != nullptr) p.x16 += r0 * p.k;
+    if (p.y != nullptr) p.y += r0 * p.n;
+    if (p.gated_out != nullptr) p.gated_out = static_cast<char*>(p.gated_out) + r0 * y_row_bytes;
+    p.m = rows;
+    return p;
+  }
+};
+
+ffi::Error CheckStackedOperands(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer>& y, int32_t act,
+                                int32_t groups, int32_t round_bf16, const QuantOperands* quant, StackedOperands& s) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const bool gated = act >= 0;
   if (act > 1) return ffi::Error::InvalidArgument("ferry stacked matmul: act must be -1, 0 or 1");
@@ -219,10 +245,9 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
       !(qkind == 3 && w.element_type() == ffi::DataType::U8))
     return ffi::Error::InvalidArgument("ferry stacked matmul: quantized values must be kind 1 (int8) or 2 (int4) as "
                                        "int8, or kind 3 (uint4) as uint8");
-  if (xd.size() != 2 || yd.size() != 2 || layer.element_count() != 1 || rows.element_count() != 1 ||
-      yd[0] != xd[0] || wd.size() != 5)
-    return ffi::Error::InvalidArgument("ferry stacked matmul: expected x [M,K], packed w [L,P,4,KP,16E], layer [], "
-                                       "rows [] and y [M,N] (gated: [M,N/2])");
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || wd.size() != 5)
+    return ffi::Error::InvalidArgument("ferry stacked matmul: expected x [M,K], packed w [L,P,4,KP,16E] and y [M,N] "
+                                       "(gated: [M,N/2])");
   const int64_t n = gated ? 2 * yd[1] : yd[1], k = xd[1];
   const int64_t part_cols = n / groups, part_panels = (part_cols + kPanelCols - 1) / kPanelCols;
   const int64_t rows_k = qkind == 0 ? (bf16 ? (k + 1) / 2 : k) : (qkind == 1 ? k : (k + 1) / 2);
@@ -254,24 +279,22 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
     return ffi::Error::InvalidArgument(
         "ferry stacked matmul: x must be float32, or bfloat16 with bfloat16 or quantized w");
   if (wd[0] == 0) return ffi::Error::InvalidArgument("ferry stacked matmul: w has no layers");
-  // Clamped like XLA's dynamic-slice clamps its start index.
-  const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, wd[0] - 1);
   const int64_t element_bytes = qkind != 0 ? 1 : bf16 ? 2 : 4;
-  // Only x's first `rows` rows are computed (clamped into [0, M]): a bucketed step's padding rows are left
-  // unwritten, their values never read by a real row.
-  const int64_t m = std::clamp<int64_t>(*rows.typed_data(), 0, xd[0]);
-  Matmul p{static_cast<const float*>(x.untyped_data()),
-           static_cast<const char*>(w.untyped_data()) + l * wd[1] * wd[2] * wd[3] * wd[4] * element_bytes,
-           static_cast<float*>(y->untyped_data()), m, k, n};
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  s.entries = wd[0];
+  s.entry_bytes = wd[1] * wd[2] * wd[3] * wd[4] * element_bytes;
+  s.y_row_bytes = yd[1] * (y_bf16 ? 2 : 4);
+  Matmul& p = s.base;
+  // y is the sums' (gated: RowBuffers' scratch where the activation is not fused, else none)
+  p = Matmul{static_cast<const float*>(x.untyped_data()), w.untyped_data(),
+             gated ? nullptr : static_cast<float*>(y->untyped_data()), xd[0], k, n};
   p.w_bf16 = bf16;
   if (quant != nullptr) {
-    const int64_t layer_scales = wd[1] * wd[2] * k_groups * kStripCols;
+    s.entry_scales = wd[1] * wd[2] * k_groups * kStripCols;
     p.qkind = qkind;
     p.k_groups = k_groups;
     p.group = k / k_groups;
-    p.scales = static_cast<const float*>(quant->scales.untyped_data()) + l * layer_scales;
-    if (with_offsets) p.offsets = static_cast<const float*>(quant->offsets.untyped_data()) + l * layer_scales;
+    p.scales = static_cast<const float*>(quant->scales.untyped_data());
+    if (with_offsets) p.offsets = static_cast<const float*>(quant->offsets.untyped_data());
   }
   p.round_bf16 = round_bf16 == 1;
   p.part_cols = part_cols;
@@ -284,33 +307,117 @@ ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   }
   const bool avx512 = UseAvx512Matmul();
   // bf16 dot products for every row count (one row too): a row's sums do not depend on the batch.
-  const bool dpbf16 = x16 && bf16 && avx512 && UseDpbf16Matmul();
+  s.x16 = x16;
+  s.dpbf16 = x16 && bf16 && avx512 && UseDpbf16Matmul();
   p.bf16_convert = avx512 && UseDpbf16Matmul();
-  std::vector<float> widened;  // bf16 x for the float32 paths: widened once, exactly
-  if (x16) {
-    p.x16 = static_cast<const uint16_t*>(x.untyped_data());
-    if (!dpbf16) {
-      widened.resize(p.m * p.k);
-      for (int64_t i = 0; i < p.m * p.k; ++i) widened[i] = Bf16ToF32(p.x16[i]);
-      p.x = widened.data();
-    }
-  }
-  MatmulWork work{&p, nullptr};
+  if (x16) p.x16 = static_cast<const uint16_t*>(x.untyped_data());
 #ifdef FERRY_HAVE_X86_TILES
   const int quant_tiles = 2 * (qkind - 1) + (with_offsets ? 1 : 0);
-  if (avx512) work.tiles = qkind != 0 ? &kAvx512QuantTiles[quant_tiles] : &kAvx512Tiles[dpbf16 ? 2 : bf16 ? 1 : 0];
-  else if (UseAvx2Matmul()) work.tiles = qkind != 0 ? &kAvx2QuantTiles[quant_tiles] : &kAvx2Tiles[bf16 ? 1 : 0];
-  if (work.tiles != nullptr) p.k_block = KBlockFor(*static_cast<const PanelTiles*>(work.tiles));
+  if (avx512) s.tiles = qkind != 0 ? &kAvx512QuantTiles[quant_tiles] : &kAvx512Tiles[s.dpbf16 ? 2 : bf16 ? 1 : 0];
+  else if (UseAvx2Matmul()) s.tiles = qkind != 0 ? &kAvx2QuantTiles[quant_tiles] : &kAvx2Tiles[bf16 ? 1 : 0];
+  if (s.tiles != nullptr) p.k_block = KBlockFor(*static_cast<const PanelTiles*>(s.tiles));
 #endif
-  std::vector<float> sums;  // gated, on the paths that do not fuse it: every sum, then one pass
-  if (gated && !work.FusesGate()) {
-    sums.resize(p.m * p.n);
-    p.y = sums.data();
+  return ffi::Error::Success();
+}
+
+// The buffers a call's first `rows` rows need besides x and y, put in their place in s.base: bf16 x for the
+// float32 paths, widened once, exactly; gated on the paths that do not fuse it, every sum (then one pass).
+struct RowBuffers {
+  std::vector<float> widened, sums;
+  RowBuffers(StackedOperands& s, int64_t rows) {
+    Matmul& p = s.base;
+    if (s.x16 && !s.dpbf16) {
+      widened.resize(rows * p.k);
+      for (int64_t i = 0; i < rows * p.k; ++i) widened[i] = Bf16ToF32(p.x16[i]);
+      p.x = widened.data();
+    }
+    if (p.act >= 0 && s.tiles == nullptr) {
+      sums.resize(rows * p.n);
+      p.y = sums.data();
+    }
   }
+  // The activation of rows [0, rows) after their sums, on the paths that do not fuse it.
+  void Activate(const Matmul& p, int64_t rows) const {
+    if (!sums.empty()) GatedRows(p, sums.data(), sums.data() + p.n / 2, p.n, 0, rows, 0, p.n / 2);
+  }
+};
+
+ffi::Error StackedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer>& y,
+                             int32_t act, int32_t groups, int32_t round_bf16, const QuantOperands* quant = nullptr) {
+  if (layer.element_count() != 1 || rows.element_count() != 1)
+    return ffi::Error::InvalidArgument("ferry stacked matmul: expected layer [] and rows []");
+  StackedOperands s;
+  if (auto error = CheckStackedOperands(x, w, y, act, groups, round_bf16, quant, s); error.failure()) return error;
+  // Clamped like XLA's dynamic-slice clamps its start index.
+  const int64_t l = std::clamp<int64_t>(*layer.typed_data(), 0, s.entries - 1);
+  // Only x's first `rows` rows are computed (clamped into [0, M]): a bucketed step's padding rows are left
+  // unwritten, their values never read by a real row.
+  const int64_t m = std::clamp<int64_t>(*rows.typed_data(), 0, s.base.m);
+  if (m == 0 || s.base.n == 0) return ffi::Error::Success();
+  const RowBuffers buffers(s, m);
+  const Matmul p = s.Entry(l, 0, m);
+  MatmulWork work{&p, s.tiles};
   work.threads = ThreadsFor(pool, p.m * p.k * p.n, int64_t{1} << 18);
   work.row_parts = work.RowParts();
   ParallelFor(&pool, work.Items(), work.threads - 1, &work, &MatmulWork::Run);
-  if (gated && !work.FusesGate()) GatedRows(p, sums.data(), sums.data() + p.n / 2, p.n, 0, p.m, 0, p.n / 2);
+  buffers.Activate(p, m);
+  return ffi::Error::Success();
+}
+
+// ----------------------------------------------------------------------------- grouped (mixture of experts)
+
+// A grouped call's items: every expert's with rows (its panels, or their row parts) in one ParallelFor, so a
+// decode step's few rows an expert still spread over the threads. Expert e's items are
+// [first_item[e], first_item[e + 1]).
+struct GroupedWork {
+  std::vector<Matmul> problems;  // the experts with rows, each over its rows and its stack entry
+  std::vector<MatmulWork> works;
+  std::vector<int64_t> first_item;
+  int64_t Items() const { return first_item.back(); }
+  static void Run(const void* self, int64_t item, int64_t next_item) {
+    const auto* g = static_cast<const GroupedWork*>(self);
+    const auto e = std::upper_bound(g->first_item.begin(), g->first_item.end(), item) - g->first_item.begin() - 1;
+    const int64_t begin = g->first_item[e], end = g->first_item[e + 1];
+    // The next item's panel is asked for only within the expert (MatmulItemTiled's `next` is its panel).
+    MatmulWork::Run(&g->works[e], item - begin, next_item >= begin && next_item < end ? next_item - begin : -1);
+  }
+};
+
+// x's rows sorted by expert, expert e's group_sizes[e] rows (negative: none) through stack entry first + e
+// (first clamped into [0, L - E] like a dynamic slice of E entries); rows past the groups (or past M) zeros.
+ffi::Error GroupedMatmulBody(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> first,
+                             ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer>& y, int32_t act,
+                             int32_t groups, const QuantOperands* quant = nullptr) {
+  if (first.element_count() != 1 || group_sizes.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("ferry grouped matmul: expected first [] and group_sizes [E]");
+  StackedOperands s;
+  if (auto error = CheckStackedOperands(x, w, y, act, groups, 0, quant, s); error.failure()) return error;
+  const int64_t experts = group_sizes.element_count(), m_all = s.base.m;
+  if (experts > s.entries) return ffi::Error::InvalidArgument("ferry grouped matmul: more groups than stack entries");
+  const int64_t entry0 = std::clamp<int64_t>(*first.typed_data(), 0, s.entries - experts);
+  std::vector<int64_t> row0(experts + 1, 0);  // expert e's rows [row0[e], row0[e + 1]), clamped into [0, M]
+  for (int64_t e = 0; e < experts; ++e)
+    row0[e + 1] = std::min(m_all, row0[e] + std::max<int64_t>(0, group_sizes.typed_data()[e]));
+  const int64_t m = row0[experts];
+  // Rows of no group (other devices' experts, padding) are zeros: their routing weight is, and 0 * NaN is not.
+  std::memset(static_cast<char*>(y->untyped_data()) + m * s.y_row_bytes, 0, (m_all - m) * s.y_row_bytes);
+  if (m == 0 || s.base.n == 0) return ffi::Error::Success();
+  const RowBuffers buffers(s, m);
+  GroupedWork g;
+  g.problems.reserve(experts);  // works point into problems
+  for (int64_t e = 0; e < experts; ++e)
+    if (row0[e + 1] > row0[e]) g.problems.push_back(s.Entry(entry0 + e, row0[e], row0[e + 1] - row0[e]));
+  const int64_t threads = ThreadsFor(pool, m * s.base.k * s.base.n, int64_t{1} << 18);
+  g.first_item.push_back(0);
+  for (const Matmul& p : g.problems) {
+    MatmulWork work{&p, s.tiles, threads};
+    work.row_parts = work.RowParts();
+    g.works.push_back(work);
+    g.first_item.push_back(g.first_item.back() + work.Items());
+  }
+  ParallelFor(&pool, g.Items(), threads - 1, &g, &GroupedWork::Run);
+  buffers.Activate(s.Entry(0, 0, m), m);
   return ffi::Error::Success();
 }
 

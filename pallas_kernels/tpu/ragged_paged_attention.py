@@ -41,7 +41,10 @@ ragged paged attention, written again for Ferry's cache layout):
     prefetch operand: each visit's K/V blocks start at the page holding the first key its first row sees
     (common.first_visible_key), not at page 0, and so do the copies that start it (the prefetch from the visit
     before), so pages wholly before the window (whose block-table entries may be garbage) are never copied;
-    the scores mask each row's keys before its window. None compiles without it.
+    the scores mask each row's keys before its window. None compiles without it;
+  * attention sinks (sinks not None: float32 [Hq], reference.py) are one more VMEM input, [Hkv, group, LANES]:
+    each row's running max starts at its head's sink and its running sum at 1 (_start_from_sinks), the sink a
+    key already seen that adds no value. None compiles without them.
 
 impl="pallas_tpu" compiles it with Mosaic on a TPU; "pallas_tpu_interpret" runs it anywhere with
 the TPU interpreter (pltpu.InterpretParams: DMAs, semaphores and VMEM simulated, uninitialised
@@ -60,7 +63,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.kv_quant import SCALE_ELEMS, is_quantized, page_dim, quantize
 from pallas_kernels.tpu.layout import LANES, page_head_dim, page_kv_heads, round_up
 from pallas_kernels.tpu.tuned_block_sizes import ChipBlockSizes, block_sizes_for
-from pallas_kernels.triton.common import MASK_VALUE, first_visible_key, first_window_page, normalise
+from pallas_kernels.triton.common import MASK_VALUE, check_sinks, first_visible_key, first_window_page, normalise
 
 NUM_BUFFERS = 2  # K/V VMEM buffers: block b is read from b % 2 while b + 1 streams into the other
 # SMEM the scalar-prefetched tables may take: a TPU core has 1 MiB (v4-v6), of which the kernel's tables compiled
@@ -168,8 +171,24 @@ def _dequantized(raw, value_dim: int, dtype):
     return jnp.where(lane < value_dim, raw.astype(jnp.float32) * scale, 0.0).astype(dtype)
 
 
+def _start_from_sinks(sinks_ref, m_ref, l_ref, block_q: int):
+    """Every row's online softmax started from its query head's attention sink: running max = the sink, running
+    sum = exp(sink - max) = 1, as if the sink were a key already seen that adds no value (a row that then sees
+    no key comes out as zeros). Row r of a KV head's rows is query head r // block_q of its group: a select
+    per head over row ranges (no vector division)."""
+    num_kv_heads, rows, lanes = m_ref.shape
+    row = lax.broadcasted_iota(jnp.int32, (rows, lanes), 0)
+    for h in range(num_kv_heads):
+        m = jnp.zeros((rows, lanes), jnp.float32)
+        for g in range(sinks_ref.shape[1]):
+            in_head = (row >= g * block_q) & (row < (g + 1) * block_q)
+            m = jnp.where(in_head, sinks_ref[h, g:g + 1, :], m)
+        m_ref[h] = m
+    l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+
+
 def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None, write_kv: bool,
-                  windowed: bool, value_dim: int | None = None):
+                  windowed: bool, value_dim: int | None = None, has_sinks: bool = False):
     """Refs, in order (the ones marked [write_kv] only when this step's K/V rows are written here, [windowed]
     only under a sliding window):
       scalar prefetch (SMEM):
@@ -183,6 +202,7 @@ def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None
         q_ref           [Hkv, group, block_q, Dp] this block's queries (VMEM)
         k_hbm, v_hbm    [N, bs, Hkv, Dp] the whole cache, left in HBM (aliased to the outputs under write_kv)
         new_k, new_v    [T, Hkv, Dp] this step's K/V rows, in HBM [write_kv]
+        sinks_ref       [Hkv, group, LANES] f32 each query head's attention sink, over the lanes [has_sinks]
       outputs:
         o_ref           [Hkv, group, block_q, Dp]
         k_out, v_out    [N, bs, Hkv, Dp] the cache, the same buffers as k_hbm, v_hbm [write_kv]
@@ -201,6 +221,7 @@ def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None
     slots_ref = refs.pop(4) if write_kv else None
     q_ref, k_hbm, v_hbm = refs[4:7]
     new_k, new_v = (refs.pop(7), refs.pop(7)) if write_kv else (None, None)
+    sinks_ref = refs.pop(7) if has_sinks else None
     o_ref = refs[7]
     if write_kv:  # read the cache through the outputs: the interpreter keeps aliased buffers apart
         k_hbm, v_hbm = refs.pop(8), refs.pop(8)
@@ -261,8 +282,11 @@ def _ragged_kernel(*refs, table_width: int, scale: float, soft_cap: float | None
         if write_kv:  # every new row lands before any page is read (the first K/V copies start below)
             _write_rows(slots_ref, new_k, new_v, k_hbm, v_hbm, sems.at[2, 0])
 
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if sinks_ref is None:
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    else:
+        _start_from_sinks(sinks_ref, m_ref, l_ref, block_q)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     # Row r of a head's matmul is query head r // block_q of the group, token r % block_q.
@@ -420,6 +444,7 @@ def ragged_paged_attention_tpu(
     scale: float,
     soft_cap: float | None = None,
     sliding_window=None,
+    sinks=None,
     block_q: int | None = None,
     pages_per_block: int | None = None,
     device_kind: str | None = None,
@@ -433,6 +458,7 @@ def ragged_paged_attention_tpu(
     the cache store it padded.
     sliding_window: None (no window), or an int32 scalar, traced or not (0 = none): each query sees its last
       `sliding_window` keys, and the pages wholly before them are never copied.
+    sinks: None, or float32 [Hq]: attention sinks (reference.py).
     block_q: prefill query tokens per grid step (multiple of 8, 16 for bf16); decode uses 1.
     pages_per_block: pages per K/V DMA block. Both default to the chip's row of tuned_block_sizes.py.
     device_kind: the chip compiled for (jax.Device.device_kind), which picks that row.
@@ -441,7 +467,7 @@ def ragged_paged_attention_tpu(
     num_kv_heads: the model's, where the pages hold more (page_kv_heads); default the pages' own.
     """
     return _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, None, decode=decode,
-                        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, block_q=block_q,
+                        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, sinks=sinks, block_q=block_q,
                         pages_per_block=pages_per_block, device_kind=device_kind, interpret=interpret,
                         num_kv_heads=num_kv_heads)
 
@@ -449,8 +475,9 @@ def ragged_paged_attention_tpu(
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("k_pages", "v_pages"))
 def write_kv_and_attend_tpu(
     q, k, v, k_pages, v_pages, slot_mapping, block_tables, context_lens, query_start_loc=None, *,
-    decode: bool, scale: float, soft_cap: float | None = None, sliding_window=None, block_q: int | None = None,
-    pages_per_block: int | None = None, device_kind: str | None = None, interpret=False, num_kv_heads=None,
+    decode: bool, scale: float, soft_cap: float | None = None, sliding_window=None, sinks=None,
+    block_q: int | None = None, pages_per_block: int | None = None, device_kind: str | None = None, interpret=False,
+    num_kv_heads=None,
 ):
     """This step's K/V rows k, v [T, Hkv, D] written into their slots (`slot_mapping` [T]) of the padded pages,
     then attention as ragged_paged_attention_tpu, in one kernel: -> (out, k_pages, v_pages), the pages updated
@@ -466,13 +493,13 @@ def write_kv_and_attend_tpu(
     new_kv = (jnp.pad(k, pad).astype(k_pages.dtype), jnp.pad(v, pad).astype(v_pages.dtype),
               slot_mapping.astype(jnp.int32))
     return _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, new_kv, decode=decode,
-                        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, block_q=block_q,
+                        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, sinks=sinks, block_q=block_q,
                         pages_per_block=pages_per_block, device_kind=device_kind, interpret=interpret,
                         num_kv_heads=num_kv_heads)
 
 
 def _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, new_kv, *, decode, scale,
-                 soft_cap, sliding_window, block_q, pages_per_block, device_kind, interpret, num_kv_heads):
+                 soft_cap, sliding_window, sinks, block_q, pages_per_block, device_kind, interpret, num_kv_heads):
     num_rows, num_q_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     _, block_size, page_heads, cache_dim = k_pages.shape
@@ -555,9 +582,14 @@ def _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_lo
                                            manual_axis_type=getattr(jax.typeof(p), "manual_axis_type", None))
                       for p in (k_pages, v_pages)]
         aliases = {len(prefetch) + 1: 1, len(prefetch) + 2: 2}  # k_pages -> k_out, v_pages -> v_out
+    sinks = check_sinks(sinks, num_q_heads)
+    if sinks is not None:  # each head's sink over the lanes, as the kernel's running max holds it
+        in_specs.append(pl.BlockSpec((num_kv_heads, group, LANES), lambda i, *_: (0, 0, 0)))
+        inputs.append(jnp.broadcast_to(sinks.reshape(num_kv_heads, group, 1), (num_kv_heads, group, LANES)))
     kernel = functools.partial(_ragged_kernel, table_width=table_width, scale=float(scale),
                                soft_cap=None if soft_cap is None else float(soft_cap), write_kv=new_kv is not None,
-                               windowed=windowed, value_dim=head_dim if quantized else None)
+                               windowed=windowed, value_dim=head_dim if quantized else None,
+                               has_sinks=sinks is not None)
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -577,7 +609,7 @@ def _ragged_call(q, k_pages, v_pages, block_tables, context_lens, query_start_lo
                             0 if new_kv is None else new_kv[2].shape[0]),
         interpret=interpret_params(interpret),
         name=(f"ferry_ragged_paged_g{group}_d{head_dim}_bs{block_size}_q{block_q}{'_kvw' if new_kv else ''}"
-              f"{'_sw' if windowed else ''}"),
+              f"{'_sw' if windowed else ''}{'_sinks' if sinks is not None else ''}"),
     )(*prefetch, *inputs)
 
     out = outs[0]

@@ -178,7 +178,7 @@ def online_softmax_step(q, k, v, mask, carry, *, scale, soft_cap, precision):
 
 
 def attend_pages(q, k_ref, v_ref, tables_ref, seq, kv_head, *, first_page=None, end_page, kv_len,
-                 num_steps, pages_per_step, feature, feature_ok, key_mask, scale, soft_cap):
+                 num_steps, pages_per_step, feature, feature_ok, key_mask, scale, soft_cap, row_sinks=None):
     """Flash attention of q [M, Dp] over logical pages [first_page, end_page) of sequence `seq`,
     KV head `kv_head`, `pages_per_step` pages a lax.fori_loop step, num_steps steps.
 
@@ -187,7 +187,9 @@ def attend_pages(q, k_ref, v_ref, tables_ref, seq, kv_head, *, first_page=None, 
     included) in unused slots cannot leak. feature [Dp] holds the feature index of each column,
     clamped into bounds, and feature_ok [Dp] says which are real. key_mask(key_ok [tile],
     key_pos [tile]) gives the [M, tile] bool mask of the keys each row sees. first_page None
-    means 0. Returns (acc [M, Dp] f32, running max m [M] f32, running sum l [M] f32).
+    means 0. row_sinks: None, or [M] f32, each row's attention sink (reference.py), which starts its online
+    softmax as one key already seen with no value: m = sink, l = 1 (sink_start). Returns (acc [M, Dp] f32,
+    running max m [M] f32, running sum l [M] f32).
 
     Quantized pages (int8, float8_e4m3fn; pallas_kernels/kv_quant.py: a row's D values, then its float32
     scale's 4 bytes) are gathered the same way, with each key's scale (load_scales), and dequantized to q's
@@ -222,10 +224,34 @@ def attend_pages(q, k_ref, v_ref, tables_ref, seq, kv_head, *, first_page=None, 
         return online_softmax_step(q, k, v, key_mask(key_ok, key_pos), carry, scale=scale,
                                    soft_cap=soft_cap, precision=precision)
 
-    carry = (jnp.zeros((rows, head_dim_padded), jnp.float32),
-             jnp.full((rows,), MASK_VALUE, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
-    return lax.fori_loop(0, num_steps, body, carry)
+    acc = jnp.zeros((rows, head_dim_padded), jnp.float32)
+    if row_sinks is None:
+        m, l = jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32)
+    else:
+        m, l = sink_start(row_sinks)
+    return lax.fori_loop(0, num_steps, body, (acc, m, l))
+
+
+def sink_start(row_sinks):
+    """The online softmax's (running max, running sum) for rows whose attention sinks are row_sinks [M] f32: the
+    sink counts as a key already seen, exp(sink - m) = 1 in the sum, that adds nothing to the accumulator. A row
+    that then sees no key has acc 0 and l 1: zeros, as without sinks."""
+    return row_sinks.astype(jnp.float32), jnp.ones(row_sinks.shape, jnp.float32)
+
+
+def load_row_sinks(sinks_ref, head, row_ok):
+    """Each row's sink from sinks_ref [Hq] f32 (head [M]: the row's query head, row_ok: which rows are real;
+    the rest read 0, never stored)."""
+    return masked_load(sinks_ref, (jnp.minimum(head, sinks_ref.shape[0] - 1),), row_ok, 0.0)
+
+
+def check_sinks(sinks, num_q_heads: int):
+    """sinks (None, or [Hq]) as float32; a ValueError for any other shape."""
+    if sinks is None:
+        return None
+    if jnp.shape(sinks) != (num_q_heads,):
+        raise ValueError(f"sinks must be [num_q_heads] = [{num_q_heads}], got {jnp.shape(sinks)}")
+    return jnp.asarray(sinks, jnp.float32)
 
 
 def dequantized_load(pages_ref, idx, mask, page, slot, kv_head, head_dim: int, key_ok, dtype):

@@ -24,6 +24,10 @@ position (common.first_visible_key); the program starts its page loop at the pag
 wholly before the window (whose block-table entries may be garbage) are never read, and the splits divide only
 the pages the window covers. The window is a traced int32 scalar (per layer, 0 = none); None compiles without it.
 
+Attention sinks (sinks not None: float32 [Hq], reference.py): one more input; a single split starts each row's
+online softmax from its sink (common.sink_start), and with num_splits > 1 the epilogue adds them when it combines
+the splits, so every split stays the plain partial it is without sinks. None compiles without them.
+
 The helpers (masked load/store, compiler params, the page loop with its online-softmax step, the
 pallas_call) are shared with prefill_attention.py, in triton_common.py.
 """
@@ -38,10 +42,12 @@ from pallas_kernels.triton.common import (
     MIN_DOT_DIM,
     attend_pages,
     call_kernel,
+    check_sinks,
     first_visible_key,
     first_window_page,
     gpu_core_count,
     kernel_tuning,
+    load_row_sinks,
     masked_load,
     masked_store,
     next_pow2,
@@ -73,10 +79,11 @@ def _decode_kernel(
     v_ref,             # [N, bs, Hkv, D]  whole array
     tables_ref,        # [S, W] int32
     lens_ref,          # [S] int32
-    *rest,             # ([S] int32 first visible key, windowed only), (NaN-filled buffers aliased to the
-                       # outputs, interpret only), outputs
+    *rest,             # ([S] int32 first visible key, windowed only), ([Hq] f32 sinks, single split with sinks
+                       # only), (NaN-filled buffers aliased to the outputs, interpret only), outputs
     num_outputs: int,
     windowed: bool,    # a sliding window: rest[0] holds each sequence's first visible key
+    sinks_in_kernel: bool,  # attention sinks start each row's softmax (the next of rest)
     group: int,        # query heads per KV head
     group_padded: int,
     head_dim_padded: int,
@@ -87,6 +94,7 @@ def _decode_kernel(
 ):
     out_refs = rest[-num_outputs:]
     first_keys_ref = rest[0] if windowed else None
+    sinks_ref = rest[int(windowed)] if sinks_in_kernel else None
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_q_heads, head_dim = q_ref.shape[1], q_ref.shape[2]
     block_size, table_width = k_ref.shape[1], tables_ref.shape[1]
@@ -136,7 +144,8 @@ def _decode_kernel(
     acc, m, l = attend_pages(
         q, k_ref, v_ref, tables_ref, seq, kv_head, first_page=first_page, end_page=end_page,
         kv_len=ctx_len, num_steps=num_steps, pages_per_step=pages_per_step, feature=d_c,
-        feature_ok=col_ok, scale=scale, soft_cap=soft_cap, key_mask=key_mask)
+        feature_ok=col_ok, scale=scale, soft_cap=soft_cap, key_mask=key_mask,
+        row_sinks=None if sinks_ref is None else load_row_sinks(sinks_ref, head, row_ok))
 
     out_mask = row_ok[:, None] & col_ok[None, :]
     if num_splits == 1:
@@ -162,6 +171,7 @@ def paged_decode_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window=None,
+    sinks=None,
     num_splits: int | None = None,
     pages_per_step: int | None = None,
     num_warps: int | None = None,
@@ -172,6 +182,7 @@ def paged_decode_attention(
 
     sliding_window: None (no window), or an int32 scalar, traced or not (0 = none): each query sees its last
       `sliding_window` keys, and the pages wholly before them are never read.
+    sinks: None, or float32 [Hq]: attention sinks (reference.py).
     num_splits: FlashDecoding page splits per sequence; None picks 1 in interpret mode and, on
       GPU, enough to fill the machine when S * num_kv_heads is small (see choose_num_splits).
     pages_per_step: pages per loop step (tile = pages_per_step * block_size keys, >= 16).
@@ -204,21 +215,31 @@ def paged_decode_attention(
     windowed = sliding_window is not None
     if windowed:  # the query sits at position context_len - 1
         inputs.append(first_visible_key(context_lens.astype(jnp.int32) - 1, sliding_window))
+    sinks = check_sinks(sinks, num_q_heads)
+    sinks_in_kernel = sinks is not None and num_splits == 1  # split partials take them in the epilogue
+    if sinks_in_kernel:
+        inputs.append(sinks)
     kernel = functools.partial(
-        _decode_kernel, num_outputs=len(out_shape), windowed=windowed, group=group, group_padded=group_padded,
+        _decode_kernel, num_outputs=len(out_shape), windowed=windowed, sinks_in_kernel=sinks_in_kernel,
+        group=group, group_padded=group_padded,
         head_dim_padded=head_dim_padded, pages_per_step=pages_per_step, num_splits=num_splits,
         scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap))
     outs = call_kernel(
         kernel, inputs, out_shape, grid=(num_seqs, num_kv_heads, num_splits), interpret=interpret,
         num_warps=num_warps, num_stages=num_stages,
-        name=f"ferry_paged_decode_g{group}_d{head_dim}_bs{block_size}_k{num_splits}{'_sw' if windowed else ''}")
+        name=(f"ferry_paged_decode_g{group}_d{head_dim}_bs{block_size}_k{num_splits}{'_sw' if windowed else ''}"
+              f"{'_sinks' if sinks_in_kernel else ''}"))
 
     if num_splits == 1:
         return outs[0]
     # Combine the splits (FlashDecoding): rescale every partial to the global max.
     acc, m, l = outs
     m_max = m.max(axis=0)
+    if sinks is not None:  # the sink: one more logit of each head, in the denominator only
+        m_max = jnp.maximum(m_max, sinks[None, :])
     w = jnp.exp(m - m_max[None])          # [K, S, Hq]; empty splits have l == 0, acc == 0
     l_sum = (w * l).sum(axis=0)
+    if sinks is not None:
+        l_sum = l_sum + jnp.exp(sinks[None, :] - m_max)
     o = (w[..., None] * acc).sum(axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
     return o.astype(q.dtype)

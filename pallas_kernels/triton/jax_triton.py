@@ -24,6 +24,10 @@ tile_table's sixth column, the first key position the tile's first row sees (row
 the page loop starts at the page holding it, so pages wholly before the window (whose block-table entries may be
 garbage) are never read. Without one (WINDOWED False) the kernel compiles as before.
 
+Attention sinks (sinks not None: float32 [Hq], reference.py) take the second entry point,
+_ragged_paged_attention_sinks_kernel, with one more pointer: each row's online softmax starts from its head's
+sink. Both entry points inline the same tile function; without sinks the kernel is the one it always was.
+
 Three ways to run the same @triton.jit function:
   * on a GPU, `paged_attention_jax_triton` (jax_triton.triton_call; the dispatch's "jax_triton");
   * anywhere, `run_interpreted` in Triton's interpreter on host arrays (torch CPU tensors: the
@@ -47,6 +51,7 @@ from pallas_kernels.kv_quant import is_quantized
 from pallas_kernels.triton.common import (
     MASK_VALUE,
     MIN_DOT_DIM,
+    check_sinks,
     kernel_tuning,
     next_pow2,
     paged_cache_dims,
@@ -58,13 +63,14 @@ _MASKED = tl.constexpr(MASK_VALUE)  # a Triton kernel reads only constexpr globa
 
 
 @triton.jit
-def _ragged_paged_attention_kernel(
+def _attend_tile(
     tiles_ptr,       # [num_tiles, TILE_COLS] int32: first row, end row, position of first row, context, seq,
                      # (WINDOWED) first key position the first row sees
     q_ptr,           # [T, Hq, D]
     k_ptr,           # [N, bs, Hkv, D]
     v_ptr,           # [N, bs, Hkv, D]
     tables_ptr,      # [S, W] int32
+    sinks_ptr,       # [Hq] float32 attention sinks (HAS_SINKS), else None
     out_ptr,         # [T, Hq, D]
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -83,7 +89,9 @@ def _ragged_paged_attention_kernel(
     TILE_COLS: tl.constexpr,        # the tile table's columns: 5, 6 when WINDOWED
     PAGE_DIM: tl.constexpr,         # a page row's elements per KV head: HEAD_DIM, or HEAD_DIM + 4 quantized
     QUANTIZED: tl.constexpr,        # int8 / float8_e4m3fn pages: each row its values, then its float32 scale
+    HAS_SINKS: tl.constexpr,        # attention sinks: each row's softmax starts from its head's
 ):
+    """One program of the kernels below: a query tile of one KV head."""
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     group = NUM_Q_HEADS // NUM_KV_HEADS
@@ -121,8 +129,12 @@ def _ragged_paged_attention_kernel(
     page_in_step = t // BLOCK_SIZE
     slot = t % BLOCK_SIZE
     acc = tl.zeros((BLOCK_Q * GROUP_PADDED, HEAD_DIM_PADDED), tl.float32)
-    m = tl.full((BLOCK_Q * GROUP_PADDED,), _MASKED, tl.float32)
-    l = tl.zeros((BLOCK_Q * GROUP_PADDED,), tl.float32)
+    if HAS_SINKS:  # the sink counts as a key already seen that adds no value: m = sink, l = exp(sink - m) = 1
+        m = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
+        l = tl.full((BLOCK_Q * GROUP_PADDED,), 1.0, tl.float32)
+    else:
+        m = tl.full((BLOCK_Q * GROUP_PADDED,), _MASKED, tl.float32)
+        l = tl.zeros((BLOCK_Q * GROUP_PADDED,), tl.float32)
     for first_page in range(start_page, num_pages, PAGES_PER_STEP):
         logical_page = first_page + page_in_step
         page_ok = logical_page < num_pages
@@ -177,6 +189,40 @@ def _ragged_paged_attention_kernel(
     tl.store(out_ptr + io_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+# The kernels: _attend_tile (inlined) without sinks, and with them, which takes one more pointer; two entry points
+# so that a model without sinks compiles the kernel it always did. Their constexprs are _attend_tile's.
+
+
+@triton.jit
+def _ragged_paged_attention_kernel(
+    tiles_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, out_ptr,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TABLE_WIDTH: tl.constexpr, GROUP_PADDED: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    PAGES_PER_STEP: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_IN_F32: tl.constexpr, WINDOWED: tl.constexpr, TILE_COLS: tl.constexpr, PAGE_DIM: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+):
+    _attend_tile(tiles_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, None, out_ptr,
+                 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TABLE_WIDTH, GROUP_PADDED, BLOCK_Q, HEAD_DIM_PADDED,
+                 PAGES_PER_STEP, SCALE, SOFT_CAP, DOT_PRECISION, DOT_IN_F32, WINDOWED, TILE_COLS, PAGE_DIM, QUANTIZED,
+                 False)
+
+
+@triton.jit
+def _ragged_paged_attention_sinks_kernel(
+    tiles_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, sinks_ptr, out_ptr,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TABLE_WIDTH: tl.constexpr, GROUP_PADDED: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    PAGES_PER_STEP: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_IN_F32: tl.constexpr, WINDOWED: tl.constexpr, TILE_COLS: tl.constexpr, PAGE_DIM: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+):
+    _attend_tile(tiles_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, sinks_ptr, out_ptr,
+                 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, TABLE_WIDTH, GROUP_PADDED, BLOCK_Q, HEAD_DIM_PADDED,
+                 PAGES_PER_STEP, SCALE, SOFT_CAP, DOT_PRECISION, DOT_IN_F32, WINDOWED, TILE_COLS, PAGE_DIM, QUANTIZED,
+                 True)
+
+
 # ----------------------------------------------------------------------------- launch plan
 
 
@@ -189,18 +235,24 @@ class Launch:
     num_warps: int
     num_stages: int
     constexprs: dict = field(hash=False)  # the kernel's tl.constexpr arguments
+    has_sinks: bool = False  # the kernel that takes the sinks (a pointer before the output's)
 
     @property
     def grid(self) -> tuple[int, int]:
         return (self.num_tiles, self.num_kv_heads)
 
+    @property
+    def kernel(self):
+        return _ragged_paged_attention_sinks_kernel if self.has_sinks else _ragged_paged_attention_kernel
+
 
 def plan_launch(q_shape, k_shape, dtype, *, num_seqs: int, table_width: int, decode: bool,
                 scale: float, soft_cap: float | None, block_q: int | None = None,
-                windowed: bool = False, kv_dtype=None) -> Launch:
+                windowed: bool = False, kv_dtype=None, has_sinks: bool = False) -> Launch:
     """The launch for q [T, Hq, D] over pages k [N, bs, Hkv, D] of `num_seqs` sequences whose
     block tables are `table_width` pages wide; `windowed`: under a sliding window; `kv_dtype`: the pages'
-    (default: q's), int8 / float8_e4m3fn for quantized pages ([..., D + 4]: pallas_kernels/kv_quant.py).
+    (default: q's), int8 / float8_e4m3fn for quantized pages ([..., D + 4]: pallas_kernels/kv_quant.py);
+    `has_sinks`: with attention sinks (the kernel that takes them).
 
     Decode tiles are one row (block_q 1) with the head group padded to 16 rows for the dot;
     prefill tiles are ~64 query rows (~32 for float32), as in the Pallas prefill kernel.
@@ -229,11 +281,11 @@ def plan_launch(q_shape, k_shape, dtype, *, num_seqs: int, table_width: int, dec
         SOFT_CAP=0.0 if soft_cap is None else float(soft_cap),
         DOT_PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32", DOT_IN_F32=False,
         WINDOWED=windowed, TILE_COLS=6 if windowed else 5, PAGE_DIM=k_shape[3], QUANTIZED=is_quantized(kv_dtype))
-    return Launch(num_tiles, num_kv_heads, block_q, num_warps, num_stages, constexprs)
+    return Launch(num_tiles, num_kv_heads, block_q, num_warps, num_stages, constexprs, has_sinks)
 
 
 def _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, decode,
-                scale, soft_cap, sliding_window=None, block_q=None):
+                scale, soft_cap, sliding_window=None, block_q=None, has_sinks=False):
     """(Launch, tile table [num_tiles, 5 or 6] int32) for these arrays, checked against each other."""
     num_seqs = context_lens.shape[0]
     paged_cache_dims(q, k_pages, v_pages)
@@ -248,7 +300,7 @@ def _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
     launch = plan_launch(q.shape, k_pages.shape, q.dtype, num_seqs=num_seqs,
                          table_width=block_tables.shape[1], decode=decode, scale=scale,
                          soft_cap=soft_cap, block_q=block_q, windowed=sliding_window is not None,
-                         kv_dtype=k_pages.dtype)
+                         kv_dtype=k_pages.dtype, has_sinks=has_sinks)
     tiles = tile_table(jnp.asarray(query_start_loc), jnp.asarray(context_lens), q.shape[0],
                        launch.block_q, launch.num_tiles, sliding_window)
     return launch, tiles
@@ -259,26 +311,27 @@ def _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc
 
 def paged_attention_jax_triton(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
                                *, decode: bool, scale: float, soft_cap: float | None = None,
-                               sliding_window=None, block_q: int | None = None):
+                               sliding_window=None, sinks=None, block_q: int | None = None):
     """Decode (q [S, Hq, D]) or chunked prefill (flat q [T, Hq, D]) through jax_triton.triton_call;
     needs a CUDA GPU and the `jax-triton` package (extra `cuda12`). sliding_window: None, or an
-    int32 scalar, traced or not (0 = none)."""
+    int32 scalar, traced or not (0 = none); sinks: None, or float32 [Hq] attention sinks (reference.py)."""
     try:  # only here: it does not import without GPU support in jaxlib
         import jax_triton
     except ImportError as e:
         raise RuntimeError(f'attention impl "jax_triton" needs the jax-triton package on a CUDA '
                            f'jaxlib (pip install -e ".[cuda12]"): {e}') from e
 
+    sinks = check_sinks(sinks, q.shape[1])
     launch, tiles = _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
                                 decode=decode, scale=scale, soft_cap=soft_cap,
-                                sliding_window=sliding_window, block_q=block_q)
+                                sliding_window=sliding_window, block_q=block_q, has_sinks=sinks is not None)
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     # jax-triton 0.4 calls the output spec `out_type`; 0.3 (the last for Python 3.11) `out_shape`.
     params = inspect.signature(jax_triton.triton_call).parameters
     out_kw = "out_type" if "out_type" in params else "out_shape"
+    inputs = [tiles, q, k_pages, v_pages, block_tables.astype(jnp.int32)] + ([] if sinks is None else [sinks])
     return jax_triton.triton_call(
-        tiles, q, k_pages, v_pages, block_tables.astype(jnp.int32),
-        kernel=_ragged_paged_attention_kernel, grid=launch.grid, num_warps=launch.num_warps,
+        *inputs, kernel=launch.kernel, grid=launch.grid, num_warps=launch.num_warps,
         num_stages=launch.num_stages, name="ferry_ragged_paged_attention", **{out_kw: out}, **launch.constexprs)
 
 
@@ -287,7 +340,7 @@ def paged_attention_jax_triton(q, k_pages, v_pages, block_tables, context_lens, 
 
 @contextlib.contextmanager
 def _interpreted():
-    """Yields the kernel's interpreter twin, with Triton's own @triton.jit library functions
+    """Yields a function from a kernel to its interpreter twin, with Triton's own @triton.jit library functions
     (tl.sum, tl.max, tl.cdiv, ...) interpreted too while it runs.
 
     @triton.jit picks the compiled or the interpreted form once, when triton is imported
@@ -309,21 +362,22 @@ def _interpreted():
     original_call = JITFunction.__call__
     JITFunction.__call__ = call_interpreted
     try:
-        yield InterpretedFunction(_ragged_paged_attention_kernel.fn)
+        yield lambda kernel: InterpretedFunction(kernel.fn)
     finally:
         JITFunction.__call__ = original_call
 
 
 def run_interpreted(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
                     decode: bool, scale: float, soft_cap: float | None = None,
-                    sliding_window=None, block_q: int | None = None):
+                    sliding_window=None, sinks=None, block_q: int | None = None):
     """The kernel in Triton's interpreter on host copies of the arrays; returns a jax array of
     q's dtype. The output buffer starts NaN, so an element the kernel fails to write shows up."""
     import torch  # the interpreter reads buffers through torch's storage API
 
+    sinks = check_sinks(sinks, q.shape[1])
     launch, tiles = _launch_for(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
                                 decode=decode, scale=scale, soft_cap=soft_cap,
-                                sliding_window=sliding_window, block_q=block_q)
+                                sliding_window=sliding_window, block_q=block_q, has_sinks=sinks is not None)
 
     def host(x):
         x = jnp.asarray(x)
@@ -340,9 +394,11 @@ def run_interpreted(q, k_pages, v_pages, block_tables, context_lens, query_start
     # uint16), so here the dots take float32 copies of the same 16-bit values: products of two
     # bf16 numbers are exact in float32, as in the tensor-core dot with float32 accumulation.
     constexprs = {**launch.constexprs, "DOT_IN_F32": jnp.dtype(q.dtype).itemsize < 4}
-    with _interpreted() as kernel:
-        kernel[launch.grid](host(tiles), host(q), host(k_pages), host(v_pages),
-                            host(block_tables.astype(jnp.int32)), out, **constexprs)
+    inputs = [host(tiles), host(q), host(k_pages), host(v_pages), host(block_tables.astype(jnp.int32))]
+    if sinks is not None:
+        inputs.append(host(sinks))
+    with _interpreted() as interpreted:
+        interpreted(launch.kernel)[launch.grid](*inputs, out, **constexprs)
     return jnp.asarray(out.numpy()).astype(q.dtype)
 
 
@@ -351,10 +407,12 @@ def run_interpreted(q, k_pages, v_pages, block_tables, context_lens, query_start
 
 def compile_for_gpu(q_shape, k_shape, dtype, *, table_width: int, num_seqs: int, decode: bool,
                     compute_capability: int, scale: float = 1.0,
-                    soft_cap: float | None = None, windowed: bool = False, kv_dtype=None) -> dict:
+                    soft_cap: float | None = None, windowed: bool = False, kv_dtype=None,
+                    has_sinks: bool = False) -> dict:
     """Compile the kernel for CUDA `compute_capability` (80, 90, ...) with no GPU present;
     `windowed`: the sliding-window form (the window's value is in the tile table, not compiled in);
-    `kv_dtype`: the pages' (default `dtype`; int8 / float8_e4m3fn: quantized, k_shape [..., D + 4]).
+    `kv_dtype`: the pages' (default `dtype`; int8 / float8_e4m3fn: quantized, k_shape [..., D + 4]);
+    `has_sinks`: the kernel with attention sinks.
 
     Returns Triton's assembly stages by name ("ttir", "ttgir", "llir", "ptx", "cubin"), plus
     "shared": the bytes of shared memory a program needs.
@@ -363,13 +421,15 @@ def compile_for_gpu(q_shape, k_shape, dtype, *, table_width: int, num_seqs: int,
     from triton.compiler import ASTSource
 
     launch = plan_launch(q_shape, k_shape, dtype, num_seqs=num_seqs, table_width=table_width,
-                         decode=decode, scale=scale, soft_cap=soft_cap, windowed=windowed, kv_dtype=kv_dtype)
+                         decode=decode, scale=scale, soft_cap=soft_cap, windowed=windowed, kv_dtype=kv_dtype,
+                         has_sinks=has_sinks)
     constexprs = launch.constexprs
     elem = "*" + _TRITON_DTYPES[jnp.dtype(dtype).name]
     kv_elem = "*" + _TRITON_DTYPES[jnp.dtype(kv_dtype or dtype).name]
+    sinks = {"sinks_ptr": "*fp32"} if has_sinks else {}
     signature = {"tiles_ptr": "*i32", "q_ptr": elem, "k_ptr": kv_elem, "v_ptr": kv_elem,
-                 "tables_ptr": "*i32", "out_ptr": elem, **{name: "constexpr" for name in constexprs}}
-    source = ASTSource(_ragged_paged_attention_kernel, signature, constexprs=constexprs)
+                 "tables_ptr": "*i32", **sinks, "out_ptr": elem, **{name: "constexpr" for name in constexprs}}
+    source = ASTSource(launch.kernel, signature, constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32),
                               options={"num_warps": launch.num_warps,
                                        "num_stages": launch.num_stages})

@@ -26,6 +26,9 @@ Under a sliding window (sliding_window not None: a traced int32 scalar, 0 = none
 column, the first key position the tile's first row sees (common.first_visible_key; row i sees keys from that
 + i): the tile's page loop starts at the page holding it, so pages wholly before the window (whose block-table
 entries may be garbage) are never read. None compiles without it.
+
+Attention sinks (sinks not None: float32 [Hq], reference.py) are one more input: each row's online softmax starts
+from its head's sink (common.sink_start). None compiles without them.
 """
 
 import functools
@@ -38,9 +41,11 @@ from pallas_kernels.triton.common import (
     MIN_DOT_DIM,
     attend_pages,
     call_kernel,
+    check_sinks,
     first_visible_key,
     first_window_page,
     kernel_tuning,
+    load_row_sinks,
     masked_load,
     masked_store,
     next_pow2,
@@ -60,7 +65,8 @@ def _prefill_kernel(
     k_ref,       # [N, bs, Hkv, D]  whole array
     v_ref,       # [N, bs, Hkv, D]  whole array
     tables_ref,  # [S, W] int32
-    *rest,       # (NaN-filled buffer aliased to the output, interpret only), output [T, Hq, D]
+    *rest,       # ([Hq] f32 sinks, has_sinks only), (NaN-filled buffer aliased to the output, interpret only),
+                 # output [T, Hq, D]
     group: int,
     group_padded: int,
     block_q: int,
@@ -69,8 +75,10 @@ def _prefill_kernel(
     scale: float,
     soft_cap: float | None,
     windowed: bool,
+    has_sinks: bool = False,
 ):
     o_ref = rest[-1]
+    sinks_ref = rest[0] if has_sinks else None
     tile_id, kv_head = pl.program_id(0), pl.program_id(1)
     num_tokens, num_q_heads, head_dim = q_ref.shape
     block_size, table_width = k_ref.shape[1], tables_ref.shape[1]
@@ -121,7 +129,8 @@ def _prefill_kernel(
     acc, _, l = attend_pages(
         q, k_ref, v_ref, tables_ref, seq, kv_head, first_page=first_page, end_page=num_pages,
         kv_len=kv_len, num_steps=num_steps, pages_per_step=pages_per_step, feature=d_c,
-        feature_ok=col_ok, scale=scale, soft_cap=soft_cap, key_mask=key_mask)
+        feature_ok=col_ok, scale=scale, soft_cap=soft_cap, key_mask=key_mask,
+        row_sinks=None if sinks_ref is None else load_row_sinks(sinks_ref, head, row_ok))
     # Unclamped indices: masked-off lanes point past the array or at rows this program leaves
     # unchanged (see the decode kernel's note on stores).
     masked_store(o_ref, (tok[:, None], head[:, None], d[None, :]),
@@ -172,6 +181,7 @@ def paged_prefill_attention(
     scale: float,
     soft_cap: float | None = None,
     sliding_window=None,
+    sinks=None,
     block_q: int | None = None,
     pages_per_step: int | None = None,
     num_warps: int | None = None,
@@ -182,6 +192,7 @@ def paged_prefill_attention(
 
     sliding_window: None (no window), or an int32 scalar, traced or not (0 = none): each query sees its last
       `sliding_window` keys, and a tile never reads the pages wholly before its rows' windows.
+    sinks: None, or float32 [Hq]: attention sinks (reference.py).
     block_q: query tokens per tile (power of two); a tile has block_q * next_pow2(group) rows,
       by default ~64 (~32 for float32), at least 16 (Triton's dot).
     pages_per_step: pages per loop step (tile = pages_per_step * block_size keys, >= 16).
@@ -215,12 +226,16 @@ def paged_prefill_attention(
     windowed = sliding_window is not None
 
     inputs = [tiles, q, k_pages, v_pages, block_tables.astype(jnp.int32)]
+    sinks = check_sinks(sinks, num_q_heads)
+    if sinks is not None:
+        inputs.append(sinks)
     kernel = functools.partial(
         _prefill_kernel, group=group, group_padded=group_padded, block_q=block_q,
         head_dim_padded=head_dim_padded, pages_per_step=pages_per_step, scale=float(scale),
-        soft_cap=None if soft_cap is None else float(soft_cap), windowed=windowed)
+        soft_cap=None if soft_cap is None else float(soft_cap), windowed=windowed, has_sinks=sinks is not None)
     (out,) = call_kernel(
         kernel, inputs, [jax.ShapeDtypeStruct(q.shape, q.dtype)], grid=(num_tiles, num_kv_heads),
         interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-        name=f"ferry_paged_prefill_g{group}_d{head_dim}_bs{block_size}_q{block_q}{'_sw' if windowed else ''}")
+        name=(f"ferry_paged_prefill_g{group}_d{head_dim}_bs{block_size}_q{block_q}{'_sw' if windowed else ''}"
+              f"{'_sinks' if sinks is not None else ''}"))
     return out

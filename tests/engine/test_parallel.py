@@ -30,6 +30,10 @@ CONFIG = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=128)
 MAX_TOKENS = 12
 TP_SIZES = (1, 2, 4)
 INSPECT = "llama3"  # 4 query heads, 2 KV heads: TP 4 replicates each KV head twice
+# plain experts; beside a gated shared expert; latent attention (its cache held whole by every device) with grouped
+# routing and a dense first layer; sinks and expert biases
+MOE_PARALLEL_ARCHS = ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss")
+MOE_INSPECT = "deepseek_v3"
 CHILD_TIMEOUT_S = 1200
 
 
@@ -43,7 +47,7 @@ def _fresh_seed():
 
 # The driver's sections, split over two processes that run side by side (the data-parallel runs compile both
 # samplers' programs on every replica's devices: about as long as all the rest).
-DRIVER_PARTS = (("tensor_parallel", "preemption", "quantized"), ("data_parallel",))
+DRIVER_PARTS = (("tensor_parallel", "preemption", "quantized"), ("data_parallel", "expert_parallel"))
 QUANTIZATIONS = (("int8", 32), ("int4", 32))  # (method, int4's group: 2 groups of the 64 hidden features)
 
 
@@ -53,9 +57,12 @@ def parallel_run(tmp_path_factory):
     seed = _fresh_seed()
     rng = np.random.default_rng(seed)
     root = tmp_path_factory.mktemp("parallel")
-    models = {arch: make_hf_model(arch, root / arch, seed=seed + i) for i, arch in enumerate(sorted(ARCHS))}
+    models = {arch: make_hf_model(arch, root / arch, seed=seed + i)
+              for i, arch in enumerate(sorted(ARCHS) + list(MOE_PARALLEL_ARCHS))}
     prompts = [rng.integers(3, 384, size=n).tolist() for n in (3, 17, 40)]
-    job = {"models": {arch: str(root / arch) for arch in models}, "prompts": prompts, "max_tokens": MAX_TOKENS,
+    job = {"models": {arch: str(root / arch) for arch in ARCHS}, "prompts": prompts,
+           "moe_models": {arch: str(root / arch) for arch in MOE_PARALLEL_ARCHS},
+           "moe_inspect_arch": MOE_INSPECT, "max_tokens": MAX_TOKENS,
            "config": CONFIG, "tp_sizes": TP_SIZES, "inspect_arch": INSPECT, "seed": seed,
            # 3 prompts of up to 52 tokens need 14 blocks of 8 at once; 9 usable ones force preemption
            "tight_num_blocks": 10, "quantizations": QUANTIZATIONS,
@@ -151,6 +158,40 @@ def test_quantized_weights_shard_and_match_transformers(parallel_run, method):
     assert place["params_replicated"] < sharded / 4, place
     for device, size in place["params_per_device"].items():
         assert size == sharded // 2 + place["params_replicated"], (device, size)
+
+
+@pytest.mark.parametrize("arch", MOE_PARALLEL_ARCHS)
+def test_moe_expert_and_tensor_parallel_match_transformers(parallel_run, arch):
+    seed, _, out, refs = parallel_run
+    for tp in TP_SIZES:
+        for layout in ("tp", "ep") if tp > 1 else ("tp",):
+            _check(out["moe"][f"{arch}/{tp}/{layout}"], refs[arch],
+                   f"{arch} TP {tp}, experts by {layout} (seed {seed})")
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_expert_parallel_under_preemption_matches_transformers(parallel_run, mode):
+    seed, _, out, refs = parallel_run
+    run = out["moe_preempt"][mode]
+    assert run["preemptions"][mode] > 0, run["preemptions"]
+    _check(run["tokens"], refs[MOE_INSPECT], f"expert parallel 2 with {mode} preemption (seed {seed})")
+
+
+def test_expert_parallel_holds_whole_experts_and_all_reduces_once_a_layer(parallel_run):
+    """At 2 devices: expert parallel holds 4 whole experts a device, tensor parallel half of every expert's
+    units; either way the step's collectives are all-reduces of [tokens, hidden] (attention's o_proj, the
+    experts' and the shared expert's sums, the dense first layer's MLP) and the logits' all-gather: no
+    all-to-all, no gathered weights or cache."""
+    out = parallel_run[2]
+    by_experts, by_units = out["moe_experts_per_device"]["True"], out["moe_experts_per_device"]["False"]
+    layers, experts, hidden, units = by_experts["shape"]
+    assert by_experts["shards"] == [[layers, experts // 2, hidden, units]] * 2
+    assert by_units["shards"] == [[layers, experts, hidden, units // 2]] * 2
+    for ep in ("True", "False"):
+        for phase, ops in out["moe_hlo"][ep].items():
+            assert ops["all-reduce"] and all(s.split(",")[-1] == "64" for s in ops["all-reduce"]), (ep, phase, ops)
+            assert all(s.split(",")[-1] == "384" for s in ops["all-gather"]), (ep, phase, ops)
+            assert not ops["all-to-all"] and not ops["reduce-scatter"], (ep, phase, ops)
 
 
 def test_data_parallel_replicas_match_one_replica_and_share_the_work(parallel_run):

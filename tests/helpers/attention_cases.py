@@ -99,6 +99,19 @@ def prefill_batch(bs):
     ]
 
 
+def random_sinks(rng, num_q_heads):
+    """Attention sinks, float32 [num_q_heads]: +10 (above every score: it takes most of each row's softmax), +5
+    (around the largest scores), -4, then random ones (normal, sd 2), in a shuffled head order."""
+    fixed = np.array([10.0, 5.0, -4.0])[:num_q_heads]
+    sinks = np.concatenate([fixed, 2.0 * rng.standard_normal(num_q_heads - len(fixed))])
+    return jnp.asarray(rng.permutation(sinks), jnp.float32)
+
+
+def _with_sinks(sinks):
+    """The sinks keyword where a test passes sinks: kernels under test are called as before without them."""
+    return {} if sinks is None else {"sinks": sinks}
+
+
 def check_close(out, ref, dtype, seed, what):
     assert out.dtype == ref.dtype == jnp.dtype(dtype), f"{what}: dtype {out.dtype} seed={seed}"
     assert out.shape == ref.shape, f"{what}: shape {out.shape} vs {ref.shape} seed={seed}"
@@ -123,14 +136,14 @@ def assert_zero_rows(out, rows, what, seed):
 
 def check_prefill(seed, rng, prefixes, chunks, kernel, *, reference=paged_prefill_attention_ref,
                   num_padding, num_q_heads, num_kv_heads, head_dim, block_size, dtype, scale,
-                  soft_cap, what):
-    """kernel(q, k, v, tables, lens, qsl, scale=, soft_cap=) on prefill_inputs(...) matches
+                  soft_cap, what, sinks=None):
+    """kernel(q, k, v, tables, lens, qsl, scale=, soft_cap=[, sinks=]) on prefill_inputs(...) matches
     `reference` called the same way, and the num_padding rows at the end come out zero."""
     q, k, v, tables, lens, qsl = prefill_inputs(
         rng, prefixes, chunks, num_padding=num_padding, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype)
-    ref = reference(q, k, v, tables, lens, qsl, scale=scale, soft_cap=soft_cap)
-    out = kernel(q, k, v, tables, lens, qsl, scale=scale, soft_cap=soft_cap)
+    ref = reference(q, k, v, tables, lens, qsl, scale=scale, soft_cap=soft_cap, **_with_sinks(sinks))
+    out = kernel(q, k, v, tables, lens, qsl, scale=scale, soft_cap=soft_cap, **_with_sinks(sinks))
     check_close(out, ref, dtype, seed, what)
     assert_zero_rows(out, slice(-num_padding, None), "padding rows", seed)
 
@@ -183,47 +196,50 @@ def under_layer_scan(kernel):
 
 
 def check_window_decode(seed, rng, context_lens, window, kernel, *, num_q_heads, num_kv_heads, head_dim, block_size,
-                        dtype, scale, soft_cap, what):
-    """kernel(q, k, v, tables, lens, scale=, soft_cap=, sliding_window=window) on decode_inputs(...) matches the
-    reference over the intact tables (window 0: the reference without a window), where the kernel's tables hold
-    garbage before each query's window (window > 0); context-0 rows come out zero."""
+                        dtype, scale, soft_cap, what, sinks=None):
+    """kernel(q, k, v, tables, lens, scale=, soft_cap=, sliding_window=window[, sinks=]) on decode_inputs(...)
+    matches the reference over the intact tables (window 0: the reference without a window), where the kernel's
+    tables hold garbage before each query's window (window > 0); context-0 rows come out zero."""
     q, k, v, tables, lens = decode_inputs(rng, context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                           head_dim=head_dim, block_size=block_size, dtype=dtype)
     ref = paged_decode_attention_ref(q, k, v, tables, lens, scale=scale, soft_cap=soft_cap,
-                                     sliding_window=window or None)
+                                     sliding_window=window or None, **_with_sinks(sinks))
     if window > 0:
         tables = drop_blocks_before_window(rng, tables, lens, np.ones(len(context_lens), np.int32), window,
                                            block_size)
-    out = kernel(q, k, v, tables, lens, scale=scale, soft_cap=soft_cap, sliding_window=window)
+    out = kernel(q, k, v, tables, lens, scale=scale, soft_cap=soft_cap, sliding_window=window, **_with_sinks(sinks))
     check_close(out, ref, dtype, seed, f"{what} window={window}")
     assert_zero_rows(out, np.asarray(context_lens) == 0, "context-0 rows", seed)
 
 
 def check_window_prefill(seed, rng, prefixes, chunks, window, kernel, *, num_padding, num_q_heads, num_kv_heads,
-                         head_dim, block_size, dtype, scale, soft_cap, what):
-    """check_prefill under a sliding window: kernel(..., sliding_window=window) over tables holding garbage before
-    each sequence's window (window > 0) matches the reference over the intact tables (window 0: without a
-    window); the padding rows come out zero."""
+                         head_dim, block_size, dtype, scale, soft_cap, what, sinks=None):
+    """check_prefill under a sliding window: kernel(..., sliding_window=window[, sinks=]) over tables holding
+    garbage before each sequence's window (window > 0) matches the reference over the intact tables (window 0:
+    without a window); the padding rows come out zero."""
     q, k, v, tables, lens, qsl = prefill_inputs(
         rng, prefixes, chunks, num_padding=num_padding, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, block_size=block_size, dtype=dtype)
     ref = paged_prefill_attention_ref(q, k, v, tables, lens, qsl, scale=scale, soft_cap=soft_cap,
-                                      sliding_window=window or None)
+                                      sliding_window=window or None, **_with_sinks(sinks))
     if window > 0:
         tables = drop_blocks_before_window(rng, tables, lens, chunks, window, block_size)
-    out = kernel(q, k, v, tables, lens, qsl, scale=scale, soft_cap=soft_cap, sliding_window=window)
+    out = kernel(q, k, v, tables, lens, qsl, scale=scale, soft_cap=soft_cap, sliding_window=window,
+                 **_with_sinks(sinks))
     check_close(out, ref, dtype, seed, f"{what} window={window}")
     assert_zero_rows(out, slice(-num_padding, None), "padding rows", seed)
 
 
-def check_window_through_dispatch(seed, window, impl: str, dtype, num_seqs: int):
-    """pallas_kernels.attention.paged_attention(impl=...) passes the window on, prefill and decode, at the impl's
-    default tiling: random prefill lengths, decode contexts from 0 to 100; window 0 means none."""
+def check_window_through_dispatch(seed, window, impl: str, dtype, num_seqs: int, with_sinks: bool = False):
+    """pallas_kernels.attention.paged_attention(impl=...) passes the window (and, with_sinks, random sinks) on,
+    prefill and decode, at the impl's default tiling: random prefill lengths, decode contexts from 0 to 100;
+    window 0 means none."""
     from pallas_kernels.attention import paged_attention  # noqa: PLC0415 (imports the kernels' dispatch)
 
     rng = np.random.default_rng(seed)
     prefixes, chunks = rng.integers(0, 64, size=num_seqs), rng.integers(1, 24, size=num_seqs)
-    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, scale=0.125)
+    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, scale=0.125,
+                 sinks=random_sinks(rng, 8) if with_sinks else None)
     check_window_prefill(seed, rng, prefixes, chunks, window,
                          functools.partial(paged_attention, decode=False, impl=impl), num_padding=5, soft_cap=8.0,
                          what=f"{impl} prefill dispatch", **shape)

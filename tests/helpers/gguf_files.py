@@ -18,6 +18,10 @@ _LAYER_NAMES = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 # Families whose post_attention_layernorm is a branch-output norm (llama.cpp's post_attention_norm).
 _BRANCH_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
@@ -25,7 +29,7 @@ _BRANCH_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedfor
 _ARCH_LAYER_NAMES = {"gemma2": _BRANCH_NORMS, "gemma3": _BRANCH_NORMS, "olmo2": _BRANCH_NORMS}
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 # Hugging Face model_type -> llama.cpp architecture, where they differ.
-_ARCH = {"gemma3_text": "gemma3"}
+_ARCH = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 # llama.cpp's token types.
 NORMAL, UNKNOWN, CONTROL, UNUSED, BYTE = 1, 2, 3, 5, 6
@@ -93,7 +97,7 @@ def write_gguf(torch_model, path, matrix_types, tokenizer: dict | None, seed: in
     if tokenizer is not None:
         _add_tokenizer(writer, tokenizer)
     rng = np.random.default_rng(seed)
-    state = {k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()}
+    state = _expert_stacks({k: v.detach().float().numpy() for k, v in torch_model.state_dict().items()})
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # llama.cpp writes no output.weight for a tied head
     for index, (hf_name, weight) in enumerate(state.items()):
@@ -104,8 +108,12 @@ def write_gguf(torch_model, path, matrix_types, tokenizer: dict | None, seed: in
             weight = permute_rows(weight, config.num_key_value_heads)
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             weight = weight + np.float32(1.0)  # llama.cpp's norm_shift: it stores Gemma's 1 + w
+        if hf_name.endswith("shared_expert_gate.weight"):
+            weight = weight.reshape(-1)  # llama.cpp stores the [1, hidden] gate as [hidden]
         name = gguf_name(hf_name, arch)
-        if weight.ndim == 2 and matrix_type.name in K_QUANT_SCALES:
+        if weight.ndim == 3 and matrix_type != gguf.GGMLQuantizationType.F32:  # experts [E, out, in]
+            writer.add_tensor(name, gguf.quants.quantize(weight, matrix_type), raw_dtype=matrix_type)
+        elif weight.ndim == 2 and matrix_type.name in K_QUANT_SCALES:
             writer.add_tensor(name, random_k_quant_blocks(weight.shape, matrix_type, rng), raw_dtype=matrix_type)
         elif weight.ndim == 2 and matrix_type != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, gguf.quants.quantize(weight, matrix_type), raw_dtype=matrix_type)
@@ -120,9 +128,33 @@ def write_gguf(torch_model, path, matrix_types, tokenizer: dict | None, seed: in
     return pathlib.Path(path)
 
 
+def _expert_stacks(state: dict) -> dict:
+    """transformers' fused expert parameters ("mlp.experts.gate_up_proj" [E, 2I, H], "mlp.experts.down_proj"
+    [E, H, I]) as llama.cpp's converter writes them: gate, up and down stacks [E, out, in]."""
+    out = {}
+    for name, weight in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = np.split(weight, 2, axis=1)
+            out[f"{name.removesuffix('gate_up_proj')}gate_proj.weight"] = gate
+            out[f"{name.removesuffix('gate_up_proj')}up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            out[f"{name}.weight"] = weight
+        else:
+            out[name] = weight
+    return out
+
+
 def _add_family_fields(writer: gguf.GGUFWriter, config, rope: dict) -> dict[str, np.ndarray]:
     """The keys llama.cpp's converter writes for the families beyond Llama's; returns the extra tensors it writes
     (Phi-3's LongRoPE factors)."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if getattr(config, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):

@@ -74,6 +74,32 @@ ARCHS = {
 }
 
 
+# Mixture-of-experts families (tests/models/test_moe.py, tests/engine/test_moe_parallel.py): 8 experts of 32
+# units, so that with these prompts every expert of every layer receives tokens (the tests check it).
+MOE_ARCHS = {
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+    # q/k norms, renormalised top-k
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                    norm_topk_prob=True, head_dim=32)),
+    # q/k/v biases, top-4 not renormalised, the gated shared expert, tied head
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                                                    shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                                    tie_word_embeddings=True)),
+    # attention sinks, sliding (window 8) then full layers, YaRN, q/k/v/o biases, a router bias, expert biases,
+    # the clamped SwiGLU (limit 1.5, so that the clamps bite), top-k of the logits then softmax
+    "gpt_oss": (transformers.GptOssConfig, dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=8,
+        swiglu_limit=1.5, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                               beta_slow=1.0, truncate=False, original_max_position_embeddings=64))),
+    # latent attention (q through its low-rank pair, interleaved RoPE), sigmoid routing over 4 groups of which 2
+    # are eligible, the correction bias, routed_scaling_factor, 2 shared experts, a dense first layer
+    "deepseek_v3": (transformers.DeepseekV3Config, dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, num_hidden_layers=3, q_lora_rank=48,
+        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, num_key_value_heads=4)),
+}
+
+
 def layer_projection(layer: dict, cfg, module: str, proj: str) -> np.ndarray:
     """Hugging Face projection `module.proj`'s kernel [in, out] from one layer's params: the model's own
     (o_proj, down_proj) or its slice of the fused q/k/v or gate/up kernel (FUSED_PROJECTIONS)."""
@@ -87,7 +113,7 @@ def layer_projection(layer: dict, cfg, module: str, proj: str) -> np.ndarray:
 
 def make_hf_model(arch: str, out_dir, seed: int = 0, dtype=torch.float32, **overrides):
     """Build a seeded random model of `arch`, save it to `out_dir`, and return the torch model."""
-    config_cls, arch_overrides = ARCHS[arch]
+    config_cls, arch_overrides = {**ARCHS, **MOE_ARCHS}[arch]
     config = config_cls(**{**_COMMON, **arch_overrides, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
@@ -95,8 +121,11 @@ def make_hf_model(arch: str, out_dir, seed: int = 0, dtype=torch.float32, **over
     # would then change the output.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", ".bias")):
+            if name.endswith(("norm.weight", ".bias", "_bias", ".sinks")):
                 p.add_(torch.randn_like(p) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router: a buffer, saved with the weights
+                b.add_(torch.randn_like(b) * 0.05)
     model.generation_config.eos_token_id = None  # greedy runs the full length
     model.save_pretrained(out_dir)
     return model

@@ -111,8 +111,30 @@ def quantized(job) -> dict:
     return out
 
 
-SECTIONS = {"tensor_parallel": tensor_parallel, "preemption": preemption, "data_parallel": data_parallel,
-            "quantized": quantized}
+def expert_parallel(job) -> dict:
+    """Every MoE model with its experts split by units (tensor parallel) and whole (expert parallel) at each TP
+    size; the inspected one under preemption at expert parallel 2, with its step's collectives and how its
+    experts lie on the devices."""
+    out = {"moe": {}, "moe_preempt": {}, "moe_hlo": {}, "moe_experts_per_device": {}}
+    for arch, model_dir in job["moe_models"].items():
+        for tp in job["tp_sizes"]:
+            for ep in (False, True) if tp > 1 else (False,):
+                llm, tokens = greedy(job, model_dir, tensor_parallel_size=tp, expert_parallel=ep)
+                out["moe"][f"{arch}/{tp}/{'ep' if ep else 'tp'}"] = tokens
+                if arch == job["moe_inspect_arch"] and tp == 2:
+                    experts = llm.engine.runner.model.state["layers"]["mlp"]["experts"]["gate_up_proj"][...]
+                    shards = [list(s.data.shape) for s in experts.addressable_shards]
+                    out["moe_experts_per_device"][str(ep)] = {"shape": list(experts.shape), "shards": shards}
+                    out["moe_hlo"][str(ep)] = collectives(llm)
+    for mode in ("swap", "recompute"):
+        llm, tokens = greedy(job, job["moe_models"][job["moe_inspect_arch"]], tensor_parallel_size=2,
+                             expert_parallel=True, num_blocks=job["tight_num_blocks"], preemption_mode=mode)
+        out["moe_preempt"][mode] = {"tokens": tokens, "preemptions": llm.engine.stats()["preemptions"]}
+    return out
+
+
+SECTIONS = {"tensor_parallel": tensor_parallel, "expert_parallel": expert_parallel, "preemption": preemption,
+            "data_parallel": data_parallel, "quantized": quantized}
 
 
 def main(job_path, out_path):

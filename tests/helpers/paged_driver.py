@@ -13,7 +13,7 @@ import numpy as np
 
 from engine.worker.packing import SeqSlice, StepLayout, bucket, pack
 from engine.worker.step import model_step
-from models.paged import init_kv_cache, kv_cache_groups
+from models.paged import cache_page_dims, init_kv_cache, kv_cache_groups
 from pallas_kernels.kernels import Kernels
 
 
@@ -35,8 +35,8 @@ def paged_greedy(loaded, prompts, num_new, *, block_size=8, split=None, attentio
     per_seq = -(-max_len // block_size)
     ids_per_seq = per_seq * groups.num_groups
     cache = init_kv_cache(groups.num_slots, 1 + ids_per_seq * len(prompts), block_size,
-                          *kernels.kv_page_dims(cfg.num_kv_heads, cfg.head_dim, kv_dtype or loaded.dtype),
-                          kv_dtype or loaded.dtype)
+                          *cache_page_dims(cfg, kernels, kv_dtype or loaded.dtype), kv_dtype or loaded.dtype,
+                          cfg.kv_cache_layout[0])
     tables = [list(range(1 + i * ids_per_seq, 1 + (i + 1) * ids_per_seq)) for i in range(len(prompts))]
     rng = np.random.default_rng(0)
     for t in tables:  # pages need not be contiguous or ordered

@@ -276,6 +276,8 @@ FAMILIES = {
     "gemma2": dict(query_pre_attn_scalar=32, attention_bias=False),
     "gemma3": dict(query_pre_attn_scalar=32, layer_types=None, num_hidden_layers=6),
     "phi3": {}, "phi4_mini": {}, "qwen3": {}, "olmo2": {}, "granite": {},
+    # llama.cpp's mixture-of-experts layouts: Mixtral as "llama" with experts, Qwen2-MoE (shared expert), Qwen3-MoE
+    "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {},
 }
 
 
@@ -308,3 +310,22 @@ def test_family_gguf_matches_its_source_model(arch, tmp_path):
     for prompt, logits, tokens in zip(prompts, run.prompt_logits, run.tokens):
         assert rel_err(logits, hf_logits(source, prompt)) < 1e-4, f"{arch} (seed {seed}) len {len(prompt)}"
         check_greedy_match(tokens, *hf_greedy(source, prompt, 8))
+
+
+def test_quantized_expert_stacks_are_dequantized_per_expert(tmp_path):
+    """A Q8_0 Qwen3-MoE GGUF: its [E, out, in] expert stacks are read as one matrix per expert, each the file's
+    own dequantized values (gguf.quants), stacked into the model's experts in order."""
+    source = make_hf_model("qwen3_moe", tmp_path / "hf", seed=7)
+    path = write_gguf(source, tmp_path / "model.gguf", Q.Q8_0, tokenizer=None)
+    loaded = load_model(str(path))
+    experts = loaded.params()["layers"]["mlp"]["experts"]
+    intermediate = loaded.cfg.moe_intermediate_size
+    stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for layer in range(loaded.cfg.num_layers):
+        gate, up, down = (gguf.quants.dequantize(stored[f"blk.{layer}.{name}.weight"].data, Q.Q8_0)
+                          for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+        np.testing.assert_array_equal(np.asarray(experts["gate_up_proj"][layer][..., :intermediate]),
+                                      gate.transpose(0, 2, 1))
+        np.testing.assert_array_equal(np.asarray(experts["gate_up_proj"][layer][..., intermediate:]),
+                                      up.transpose(0, 2, 1))
+        np.testing.assert_array_equal(np.asarray(experts["down_proj"][layer]), down.transpose(0, 2, 1))

@@ -142,3 +142,20 @@ def test_sliding_window_split_k_and_tiles_lower_for_cuda(dtype):
 
     _lower_for_cuda(decode, (*specs[:5], window))
     _lower_for_cuda(prefill, (*specs, window))
+
+
+@pytest.mark.parametrize("decode,splits", [(True, 1), (True, 4), (False, None)], ids=["decode", "split-k", "prefill"])
+def test_sinks_lower_for_cuda(decode, splits):
+    """Attention sinks as a traced [Hq] argument (gpt-oss's shape: 64 query heads, 8 KV heads, head_dim 64),
+    under a window: the kernels' sinks input (a single split, prefill) and split-K's epilogue lower."""
+    hq, hkv, d = 64, 8, 64
+    specs = (*_specs(hq, hkv, d, jnp.bfloat16, NUM_SEQS if decode else NUM_TOKENS),
+             jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((hq,), jnp.float32))
+
+    def f(q, k, v, tables, lens, qsl, window, sinks):
+        if decode:
+            return paged_decode_attention(q, k, v, tables, lens, scale=0.125, num_splits=splits,
+                                          sliding_window=window, sinks=sinks)
+        return paged_prefill_attention(q, k, v, tables, lens, qsl, scale=0.125, sliding_window=window, sinks=sinks)
+
+    _lower_for_cuda(f, specs)

@@ -27,6 +27,7 @@ from helpers.attention_cases import (
     check_window_prefill,
     decode_inputs,
     prefill_batch,
+    random_sinks,
 )
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.lowering import MODEL_HEAD_SHAPES
@@ -114,6 +115,31 @@ def test_prefill_sliding_window_interpreted(seed, hq, hkv, d, bs, dtype, cap, wi
                          soft_cap=cap, what="jax-triton prefill (interpreter)")
 
 
+# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap, window)
+SINK_CASES = [
+    (4, 2, 64, 8, jnp.float32, None, 0),       # GQA, no window
+    (8, 1, 80, 16, jnp.bfloat16, 30.0, 16),    # MQA, soft cap, window
+    (6, 2, 64, 8, jnp.float32, 5.0, 5),        # group 3 (padded rows), soft cap, window
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap,window", SINK_CASES)
+def test_sinks_interpreted(seed, hq, hkv, d, bs, dtype, cap, window):
+    """Random sinks (+10, +5, -4 and random ones), decode and prefill (16-row tiles), through the sinks kernel."""
+    rng = np.random.default_rng(seed)
+    shape = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype, scale=d ** -0.5,
+                 soft_cap=cap, sinks=random_sinks(rng, hq))
+    decode = lambda *a, sliding_window, **kw: jt.run_interpreted(  # noqa: E731
+        *a, None, decode=True, sliding_window=jnp.int32(sliding_window), **kw)
+    check_window_decode(seed, rng, [0, 1, window + 1, 9 * bs + 5, int(rng.integers(1, 12 * bs))], window,
+                        decode, what="jax-triton decode sinks (interpreter)", **shape)
+    group_padded = 1 << (hq // hkv - 1).bit_length()
+    prefill = functools.partial(jt.run_interpreted, decode=False, block_q=max(1, 16 // group_padded))
+    prefixes, chunks = zip(*prefill_batch(bs))
+    check_window_prefill(seed, rng, prefixes, chunks, window, prefill, num_padding=3,
+                         what="jax-triton prefill sinks (interpreter)", **shape)
+
+
 def test_bad_shapes_name_the_field():
     q = jnp.zeros((3, 4, 64), jnp.float32)
     k = jnp.zeros((5, 8, 2, 64), jnp.float32)
@@ -156,6 +182,20 @@ def test_sliding_window_compiles_for_gpu(capability):
                                  decode=decode, compute_capability=capability, scale=d ** -0.5, soft_cap=50.0,
                                  windowed=True)
         what = f"windowed {'decode' if decode else 'prefill'} sm_{capability}"
+        assert asm["cubin"][:4] == b"\x7fELF", what
+        assert asm["shared"] <= 99 * 1024, (what, asm["shared"])
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_sinks_compile_for_gpu(capability):
+    """The sinks kernel (its own entry point, one more pointer) builds for both targets, windowed or not."""
+    hq, hkv, d = MODEL_HEAD_SHAPES["llama3-8b"]
+    for decode, rows, windowed in ((True, 8, False), (False, 256, True)):
+        asm = jt.compile_for_gpu((rows, hq, d), (512, 16, hkv, d), jnp.bfloat16, table_width=64, num_seqs=8,
+                                 decode=decode, compute_capability=capability, scale=d ** -0.5, windowed=windowed,
+                                 has_sinks=True)
+        what = f"sinks {'decode' if decode else 'prefill'} sm_{capability}"
+        assert ".entry _ragged_paged_attention_sinks_kernel" in asm["ptx"], what
         assert asm["cubin"][:4] == b"\x7fELF", what
         assert asm["shared"] <= 99 * 1024, (what, asm["shared"])
 

@@ -25,11 +25,13 @@ from helpers.attention_cases import (
     decode_inputs,
     make_cache,
     prefill_batch,
+    prefill_inputs,
     random_q,
+    random_sinks,
     under_layer_scan,
 )
 from pallas_kernels.attention import paged_attention
-from pallas_kernels.reference import paged_decode_attention_ref
+from pallas_kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 from pallas_kernels.triton import decode as decode_mod
 from pallas_kernels.triton import prefill as prefill_mod
 from pallas_kernels.triton.decode import paged_decode_attention
@@ -155,6 +157,109 @@ def test_prefill_sliding_window(seed, hq, hkv, d, bs, dtype, cap, window, prefix
 def test_sliding_window_through_dispatch(seed, window):
     """impl="pallas_interpret" passes the window on: default tiling, random lengths; window 0 means none."""
     check_window_through_dispatch(seed, window, "pallas_interpret", jnp.bfloat16, num_seqs=4)
+
+
+# ----------------------------------------------------------------------------- attention sinks
+
+
+def _dense_sink_attention(q, k_pages, v_pages, tables, lens, qsl, *, scale, soft_cap, window, sinks):
+    """transformers' eager gpt-oss attention, row by row in float64 numpy: the visible keys' logits (scaled, soft-
+    capped), the sink appended, the max subtracted, softmax, the sink's column dropped, times V. Rows of no
+    sequence are zeros."""
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    tables, lens, qsl, sinks = (np.asarray(x) for x in (tables, lens, qsl, sinks))
+    block_size, group = k_pages.shape[1], q.shape[1] // k_pages.shape[2]
+    out = np.zeros_like(q)
+    for s, ctx in enumerate(lens):
+        positions = np.arange(ctx)
+        pages = tables[s, positions // block_size]
+        keys, values = k_pages[pages, positions % block_size], v_pages[pages, positions % block_size]
+        q_len = qsl[s + 1] - qsl[s]
+        for i in range(q_len):
+            q_pos = ctx - q_len + i
+            seen = (positions <= q_pos) & ((window == 0) | (positions > q_pos - window))
+            for h in range(q.shape[1]):
+                logits = keys[seen, h // group] @ q[qsl[s] + i, h] * scale
+                if soft_cap is not None:
+                    logits = soft_cap * np.tanh(logits / soft_cap)
+                combined = np.append(logits, sinks[h])
+                probs = np.exp(combined - combined.max())
+                probs /= probs.sum()
+                out[qsl[s] + i, h] = probs[:-1] @ values[seen, h // group]
+    return out
+
+
+@pytest.mark.parametrize("window,cap", [(0, None), (5, 5.0), (7, None)])
+def test_reference_sinks_match_dense_formula(seed, window, cap):
+    """The oracle itself: the reference with sinks (decode and prefill) against _dense_sink_attention."""
+    rng = np.random.default_rng(seed)
+    hq, hkv, d, bs = 6, 2, 16, 4
+    sinks = random_sinks(rng, hq)
+    prefixes, chunks = zip(*prefill_batch(bs))
+    q, k, v, tables, lens, qsl = prefill_inputs(rng, prefixes, chunks, num_padding=2, num_q_heads=hq,
+                                                num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=jnp.float32)
+    want = _dense_sink_attention(q, k, v, tables, lens, qsl, scale=d ** -0.5, soft_cap=cap, window=window,
+                                 sinks=sinks)
+    got = paged_prefill_attention_ref(q, k, v, tables, lens, qsl, scale=d ** -0.5, soft_cap=cap,
+                                      sliding_window=window or None, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6, err_msg=f"prefill seed={seed}")
+    q, k, v, tables, lens = decode_inputs(rng, [0, 1, bs, 3 * bs + 1, 9], num_q_heads=hq, num_kv_heads=hkv,
+                                          head_dim=d, block_size=bs, dtype=jnp.float32)
+    want = _dense_sink_attention(q, k, v, tables, lens, np.arange(len(lens) + 1), scale=d ** -0.5, soft_cap=cap,
+                                 window=window, sinks=sinks)
+    got = paged_decode_attention_ref(q, k, v, tables, lens, scale=d ** -0.5, soft_cap=cap,
+                                     sliding_window=window or None, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6, err_msg=f"decode seed={seed}")
+    # The sinks change the result: a reference that dropped them would not pass the checks above.
+    plain = paged_decode_attention_ref(q, k, v, tables, lens, scale=d ** -0.5, soft_cap=cap,
+                                       sliding_window=window or None)
+    assert not np.allclose(np.asarray(plain), want, atol=1e-3), f"seed={seed}"
+
+
+# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap, window, num_splits)
+SINK_DECODE_CASES = [
+    (4, 2, 64, 8, jnp.float32, None, 0, 1),      # GQA, no window, one split
+    (8, 1, 80, 16, jnp.bfloat16, 30.0, 16, 1),   # MQA, soft cap, window
+    (8, 2, 128, 32, jnp.float32, 5.0, 0, 3),     # split-K: the sinks join in the epilogue
+    (7, 1, 96, 8, jnp.float32, 10.0, 21, 2),     # group 7, soft cap, window, split-K
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap,window,splits", SINK_DECODE_CASES)
+def test_decode_sinks(seed, hq, hkv, d, bs, dtype, cap, window, splits):
+    """Random sinks (+10, +5, -4 and random ones), with and without a window and a soft cap, one split and
+    split-K; context-0 rows stay zeros."""
+    rng = np.random.default_rng(seed)
+    ctx = [0, 1, 3, window + 1, 9 * bs + 5, int(rng.integers(1, 12 * bs))]
+    kernel = functools.partial(paged_decode_attention, num_splits=splits, interpret=True)
+    check_window_decode(seed, rng, ctx, window, kernel, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                        block_size=bs, dtype=dtype, scale=d ** -0.5, soft_cap=cap, sinks=random_sinks(rng, hq),
+                        what=f"decode sinks splits={splits}")
+
+
+# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap, window)
+SINK_PREFILL_CASES = [
+    (4, 2, 64, 8, jnp.float32, None, 0),      # GQA
+    (4, 1, 96, 16, jnp.bfloat16, 20.0, 5),    # MQA, soft cap, window
+    (6, 2, 64, 8, jnp.float32, 5.0, 16),      # group 3 (padded to 4), soft cap, window
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap,window", SINK_PREFILL_CASES)
+def test_prefill_sinks(seed, hq, hkv, d, bs, dtype, cap, window):
+    """Random sinks over the shared prefill batch (16-row tiles), with and without a window and a soft cap."""
+    rng = np.random.default_rng(seed)
+    prefixes, chunks = zip(*prefill_batch(bs))
+    group_padded = 1 << (hq // hkv - 1).bit_length()
+    kernel = functools.partial(paged_prefill_attention, block_q=max(1, 16 // group_padded), interpret=True)
+    check_window_prefill(seed, rng, prefixes, chunks, window, kernel, num_padding=3, num_q_heads=hq,
+                         num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype, scale=d ** -0.5, soft_cap=cap,
+                         sinks=random_sinks(rng, hq), what="prefill sinks")
+
+
+def test_sinks_through_dispatch(seed):
+    """impl="pallas_interpret" passes the sinks on, prefill and decode, at its default tiling, under a window."""
+    check_window_through_dispatch(seed, 7, "pallas_interpret", jnp.bfloat16, num_seqs=4, with_sinks=True)
 
 
 # ----------------------------------------------------------------------------- the poison works

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.attention_cases import make_cache, prefill_batch, random_q
+from helpers.attention_cases import make_cache, prefill_batch, random_q, random_sinks
 from pallas_kernels import kv_quant, ops
 from pallas_kernels.attention import paged_attention, write_kv_and_attend
 from pallas_kernels.kernels import Kernels
@@ -20,11 +20,12 @@ QUANTIZED = [jnp.int8, jnp.float8_e4m3fn]
 IMPLS = ["native", "pallas_interpret", "pallas_tpu_interpret", "jax_triton_interpret"]
 
 
-def _attend(impl, q, k, v, tables, lens, qsl, *, decode, scale):
+def _attend(impl, q, k, v, tables, lens, qsl, *, decode, scale, **options):
+    """`impl` on these arrays; options: soft_cap, sliding_window, sinks."""
     if impl == "jax_triton_interpret":
         from pallas_kernels.triton.jax_triton import run_interpreted  # noqa: PLC0415 (needs triton)
-        return run_interpreted(q, k, v, tables, lens, qsl, decode=decode, scale=scale)
-    return paged_attention(q, k, v, tables, lens, qsl, decode=decode, scale=scale, impl=impl)
+        return run_interpreted(q, k, v, tables, lens, qsl, decode=decode, scale=scale, **options)
+    return paged_attention(q, k, v, tables, lens, qsl, decode=decode, scale=scale, impl=impl, **options)
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
@@ -159,6 +160,45 @@ def test_kernels_match_reference_on_quantized_pages(seed, impl, kv_dtype, q_dtyp
     want = paged_prefill_attention_ref(q, k, v, tables, lens, qsl, scale=scale)
     got = _attend(impl, q, k, v, tables, lens, qsl, decode=False, scale=scale)
     _check(got, want, q_dtype, f"{impl} prefill seed={seed}")
+    assert np.all(np.asarray(got[-3:], np.float32) == 0), f"padding rows not zero seed={seed}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window", [0, 5], ids=["no-window", "window"])
+def test_sinks_on_int8_pages(seed, impl, window, request):
+    """Attention sinks (+10, +5, -4 and random ones) over int8 pages, bfloat16 q with a soft cap, decode and
+    chunked prefill, with and without a sliding window: each implementation against the reference on the same
+    pages."""
+    if impl == "native":
+        request.getfixturevalue("native_library")
+    if impl == "jax_triton_interpret":
+        pytest.importorskip("triton")
+        pytest.importorskip("torch", reason="Triton's interpreter reads buffers through torch")
+    num_q_heads, num_kv_heads, head_dim, block_size = 6, 2, 64, 8
+    rng = np.random.default_rng(seed)
+    options = dict(soft_cap=20.0, sinks=random_sinks(rng, num_q_heads))
+    kernel_window = dict(sliding_window=jnp.int32(window))
+    scale = head_dim ** -0.5
+    lens = [1, block_size, 3 * block_size + 5, 40]
+    k, v, tables = _quantized_cache(rng, lens, block_size=block_size, num_kv_heads=num_kv_heads,
+                                    head_dim=head_dim, dtype=jnp.int8)
+    q = random_q(rng, len(lens), num_q_heads, head_dim, jnp.bfloat16)
+    lens = jnp.asarray(lens, jnp.int32)
+    want = paged_decode_attention_ref(q, k, v, tables, lens, scale=scale, sliding_window=window or None, **options)
+    got = _attend(impl, q, k, v, tables, lens, None, decode=True, scale=scale, **kernel_window, **options)
+    _check(got, want, jnp.bfloat16, f"{impl} decode sinks seed={seed}")
+    batch = prefill_batch(block_size)
+    ctx = [p + c for p, c in batch]
+    k, v, tables = _quantized_cache(rng, ctx, block_size=block_size, num_kv_heads=num_kv_heads,
+                                    head_dim=head_dim, dtype=jnp.int8)
+    chunks = [c for _, c in batch]
+    q = random_q(rng, sum(chunks) + 3, num_q_heads, head_dim, jnp.bfloat16)
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(chunks)]), jnp.int32)
+    lens = jnp.asarray(ctx, jnp.int32)
+    want = paged_prefill_attention_ref(q, k, v, tables, lens, qsl, scale=scale, sliding_window=window or None,
+                                       **options)
+    got = _attend(impl, q, k, v, tables, lens, qsl, decode=False, scale=scale, **kernel_window, **options)
+    _check(got, want, jnp.bfloat16, f"{impl} prefill sinks seed={seed}")
     assert np.all(np.asarray(got[-3:], np.float32) == 0), f"padding rows not zero seed={seed}"
 
 

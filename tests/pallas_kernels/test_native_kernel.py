@@ -29,6 +29,7 @@ from helpers.attention_cases import (
     decode_inputs,
     prefill_batch,
     prefill_inputs,
+    random_sinks,
     run_poisoned,
     under_layer_scan,
 )
@@ -252,6 +253,54 @@ def test_sliding_window_matches_reference(seed, dtype, window, prefixes, chunks,
                          num_padding=3, what="native prefill", **shape)
     check_window_decode(seed, rng, [p + c for p, c in zip(prefixes, chunks)], window,
                         under_layer_scan(paged_decode_attention_native), what="native decode", **shape)
+
+
+# ----------------------------------------------------------------------------- attention sinks
+
+# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap)
+SINK_CASES = [
+    (8, 2, 64, 16, jnp.float32, None),     # group 4: the AVX-512 / AVX2 prefill and decode tiles
+    (6, 2, 64, 8, jnp.bfloat16, 20.0),     # group 3: the decode tiles' twin slot; soft cap
+    (7, 1, 52, 8, jnp.float32, 10.0),      # group 7, head_dim 52: the vector tiles only
+]
+
+
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap", SINK_CASES)
+def test_sinks_match_reference(seed, hq, hkv, d, bs, dtype, cap, window, attention_tiles):
+    """Random sinks (+10, +5, -4 and random ones) in prefill (several query tiles, one-token chunks on the decode
+    tiles, padding) and decode (heads split over work items, context 0), every tile kind; with a window (the
+    vector tiles) and without. Outputs land in NaN-poisoned buffers."""
+    rng = np.random.default_rng(seed)
+    sinks = random_sinks(rng, hq)
+    shape = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype, scale=d ** -0.5,
+                 soft_cap=cap, sinks=sinks)
+    prefixes, chunks = zip(*native_prefill_batch(bs))
+    check_window_prefill(seed, rng, prefixes, chunks, window, POISONED_PREFILL, num_padding=3,
+                         what="native prefill sinks", **shape)
+    check_window_decode(seed, rng, [0, 1, bs + 1, 9 * bs + 5, int(rng.integers(1, 12 * bs))], window,
+                        functools.partial(run_poisoned, paged_decode_attention_native), what="native decode sinks",
+                        **shape)
+
+
+def test_sinks_with_a_traced_window(seed):
+    """The sinks beside a window traced in a layer scan, as the model passes them."""
+    rng = np.random.default_rng(seed)
+    shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8, dtype=jnp.float32, scale=0.125,
+                 soft_cap=20.0, sinks=random_sinks(rng, 4))
+    prefixes, chunks = WINDOW_PREFILLS[0][1:]
+    check_window_prefill(seed, rng, prefixes, chunks, 5, under_layer_scan(paged_prefill_attention_native),
+                         num_padding=3, what="native prefill", **shape)
+    check_window_decode(seed, rng, [p + c for p, c in zip(prefixes, chunks)], 5,
+                        under_layer_scan(paged_decode_attention_native), what="native decode", **shape)
+
+
+def test_sinks_of_the_wrong_shape_are_refused():
+    q = jnp.zeros((2, 4, 8), jnp.float32)
+    cache = jnp.zeros((3, 4, 2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="sinks"):
+        paged_decode_attention_native(q, cache, cache, jnp.ones((2, 1), jnp.int32), jnp.ones((2,), jnp.int32),
+                                      scale=1.0, sinks=jnp.zeros((2,), jnp.float32))
 
 
 # ----------------------------------------------------------------------------- API and build

@@ -42,6 +42,7 @@ from helpers.attention_cases import (
     drop_blocks_before_window,
     prefill_batch,
     prefill_inputs,
+    random_sinks,
     under_layer_scan,
 )
 from helpers.repo import ROOT
@@ -205,6 +206,48 @@ def test_sliding_window_through_dispatch(seed, window):
     check_window_through_dispatch(seed, window, "pallas_tpu_interpret", jnp.float32, num_seqs=3)
 
 
+# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap, window, pages_per_block)
+SINK_DECODE_CASES = [
+    (8, 2, 64, 8, jnp.float32, None, 0, 2),       # group 4, no window
+    (7, 1, 128, 8, jnp.bfloat16, 10.0, 21, 3),    # MQA group 7, soft cap, window, 3-page blocks
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap,window,ppb", SINK_DECODE_CASES)
+def test_decode_sinks(seed, hq, hkv, d, bs, dtype, cap, window, ppb):
+    """Random sinks (+10, +5, -4 and random ones) start each head's rows; context-0 rows stay zeros."""
+    rng = np.random.default_rng(seed)
+    kernel = functools.partial(ragged_paged_attention_tpu, decode=True, pages_per_block=ppb, interpret=True)
+    check_window_decode(seed, rng, [0, 1, window + 1, 9 * bs + 5, int(rng.integers(1, 12 * bs))], window, kernel,
+                        num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype, scale=d ** -0.5,
+                        soft_cap=cap, sinks=random_sinks(rng, hq), what=f"tpu decode sinks ppb={ppb}")
+
+
+# (num_q_heads, num_kv_heads, head_dim, block_size, dtype, soft_cap, window, pages_per_block)
+SINK_PREFILL_CASES = [
+    (4, 2, 96, 16, jnp.bfloat16, 20.0, 0, 2),     # group 2, soft cap, no window
+    (6, 2, 80, 8, jnp.float32, None, 5, 3),       # group 3, window
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,cap,window,ppb", SINK_PREFILL_CASES)
+def test_prefill_sinks(seed, hq, hkv, d, bs, dtype, cap, window, ppb):
+    """Small query blocks holding several sequences: a row's sink-started state must survive the other
+    sequences' visits."""
+    rng = np.random.default_rng(seed)
+    prefixes, chunks = zip(*prefill_batch(bs))
+    kernel = functools.partial(ragged_paged_attention_tpu, decode=False, pages_per_block=ppb,
+                               block_q=sublane_multiple(dtype), interpret=True)
+    check_window_prefill(seed, rng, prefixes, chunks, window, kernel, num_padding=3, num_q_heads=hq,
+                         num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype, scale=d ** -0.5, soft_cap=cap,
+                         sinks=random_sinks(rng, hq), what="tpu prefill sinks")
+
+
+def test_sinks_through_dispatch(seed):
+    """impl="pallas_tpu_interpret" passes the sinks on, default blocks, under a window."""
+    check_window_through_dispatch(seed, 7, "pallas_tpu_interpret", jnp.float32, num_seqs=3, with_sinks=True)
+
+
 def test_single_buffering_is_caught(seed, monkeypatch):
     """With one K/V buffer the next block's copy lands in the buffer being read (and the two
     blocks' copies share one semaphore): the comparison must catch it, so the double-buffered
@@ -232,15 +275,18 @@ def _new_rows_slots(tables, lens, qsl, block_size):
     return np.asarray(slots, np.int32)
 
 
-@pytest.mark.parametrize("window", [None, 5], ids=["no-window", "window"])
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (5, False), (5, True)],
+                         ids=["no-window", "window", "window-sinks"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_write_kv_and_attend(seed, decode, window):
+def test_write_kv_and_attend(seed, decode, window, with_sinks):
     """The fused kernel writes this step's K/V rows into their slots (the padded pages otherwise unchanged, the
     padding lanes zero) and attends over them: the same pages as the XLA scatter, the same output as the
     reference over those pages. Head_dim 80: the pages carry 48 padding lanes. Under a sliding window the
-    table entries before each window hold garbage (the rows' slots come from the intact tables)."""
+    table entries before each window hold garbage (the rows' slots come from the intact tables); with_sinks:
+    random attention sinks too."""
     rng = np.random.default_rng(seed)
     hq, hkv, d, bs, dtype = 4, 2, 80, 8, jnp.float32
+    sinks = random_sinks(rng, hq) if with_sinks else None
     if decode:
         q, k, v, tables, lens = decode_inputs(rng, [1, bs, 2 * bs + 3, 5], num_q_heads=hq, num_kv_heads=hkv,
                                               head_dim=d, block_size=bs, dtype=dtype)
@@ -258,16 +304,18 @@ def test_write_kv_and_attend(seed, decode, window):
     flat = lambda pages, new: pages.reshape(-1, hkv, d).at[slots].set(new).reshape(pages.shape)  # noqa: E731
     k_ref, v_ref = flat(k, new_k), flat(v, new_v)
     if decode:
-        ref = paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, scale=d ** -0.5, sliding_window=window)
+        ref = paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, scale=d ** -0.5, sliding_window=window,
+                                         sinks=sinks)
     else:
         ref = paged_prefill_attention_ref(q, k_ref, v_ref, tables, lens, qsl, scale=d ** -0.5,
-                                          sliding_window=window)
+                                          sliding_window=window, sinks=sinks)
     if window:
         tables = drop_blocks_before_window(rng, tables, lens, np.diff(np.asarray(qsl)), window, bs)
     pad = ((0, 0), (0, 0), (0, 0), (0, page_head_dim(d) - d))
     out, k_out, v_out = write_kv_and_attend_tpu(
         q, new_k, new_v, jnp.pad(k, pad), jnp.pad(v, pad), jnp.asarray(slots), tables, lens,
-        None if decode else qsl, decode=decode, scale=d ** -0.5, sliding_window=window, pages_per_block=2,
+        None if decode else qsl, decode=decode, scale=d ** -0.5, sliding_window=window, sinks=sinks,
+        pages_per_block=2,
         block_q=None if decode else sublane_multiple(dtype), interpret=True)
     check_close(out, ref, dtype, seed, "fused K/V write + attention")
     if num_padding:
@@ -339,9 +387,9 @@ def test_lowers_for_tpu_with_window(model, decode):
     assert TPU_CALL_TARGET in text, f"no {TPU_CALL_TARGET} in the TPU lowering:\n{text[:2000]}"
 
 
-# Compiles the windowed kernel (decode, prefill, and the fused K/V write) for one v6e chip with libtpu's XLA and
-# Mosaic compilers, in a child process: the pytest process runs on the CPU, and libtpu loads in one process at a
-# time (tests/conftest.py).
+# Compiles the windowed kernel (decode, prefill, and the fused K/V write; attention also with sinks) for one v6e
+# chip with libtpu's XLA and Mosaic compilers, in a child process: the pytest process runs on the CPU, and libtpu
+# loads in one process at a time (tests/conftest.py).
 _COMPILE_FOR_V6E = textwrap.dedent("""
     from scripts.aot_compile import set_tpu_env, tpu_devices
     _, shape = set_tpu_env("v6e:1x1")
@@ -359,9 +407,10 @@ _COMPILE_FOR_V6E = textwrap.dedent("""
         rows = seqs if decode else tokens
         common = (spec((seqs, width)), spec((seqs,)), spec((seqs + 1,)), spec(()))
 
-        def attend(q, k, v, tables, lens, qsl, window):
+        def attend(q, k, v, tables, lens, qsl, window, sinks=None):
             return paged_attention(q, k, v, tables, lens, qsl, decode=decode, scale=0.088, soft_cap=50.0,
-                                   sliding_window=window, impl="pallas_tpu", device_kind=device.device_kind)
+                                   sliding_window=window, sinks=sinks, impl="pallas_tpu",
+                                   device_kind=device.device_kind)
 
         def fused(q, k, v, k_pages, v_pages, slots, tables, lens, qsl, window):
             return write_kv_and_attend(q, k, v, k_pages, v_pages, slots, tables, lens, qsl, decode=decode,
@@ -370,6 +419,7 @@ _COMPILE_FOR_V6E = textwrap.dedent("""
 
         q = spec((rows, hq, d), jnp.bfloat16)
         jax.jit(attend).lower(q, cache, cache, *common).compile()
+        jax.jit(attend).lower(q, cache, cache, *common, spec((hq,), jnp.float32)).compile()
         new = spec((rows, hkv, d), jnp.bfloat16)
         jax.jit(fused).lower(q, new, new, cache, cache, spec((rows,)), *common).compile()
         print("compiled", "decode" if decode else "prefill", flush=True)

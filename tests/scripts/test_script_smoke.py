@@ -71,6 +71,20 @@ def test_bench_native_matmul(tmp_path):
         assert all(r[p]["median_ms"] > 0 and r[p]["gflop_per_s"] > 0 for p in report["paths"])
 
 
+def test_bench_grouped_matmul(tmp_path):
+    """Both projections at two expert counts and two pair counts: the table, the JSON, XLA's ragged_dot and the
+    native grouped matmul agreeing."""
+    out = tmp_path / "grouped.json"
+    stdout = _run(["scripts/bench_grouped_matmul.py", "--experts", "2", "5", "--pairs", "1", "9", "--hidden=32",
+                   "--expert_width=40", "--runs=2", "--warmup=1", "--json_out", str(out)], tmp_path)
+    assert "xla/nat" in stdout
+    rows = json.load(open(out))["results"]
+    assert [(r["experts"], r["projection"], r["pairs"]) for r in rows] == [
+        (e, name, m) for e in (2, 5) for name in ("gate_up", "down") for m in (1, 9)]
+    for r in rows:
+        assert r["max_abs_diff"] <= 1e-4 and r["xla_ms"] > 0 and r["native_ms"] > 0, r
+
+
 def test_benchmark_startup(tmp_path):
     """Two depths of a tiny model: the table, the JSON, and the same program count for both (scan)."""
     out = tmp_path / "startup.json"
