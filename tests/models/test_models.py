@@ -112,7 +112,8 @@ def test_two_chunk_prefill_matches_one_chunk(arch_model):
         whole = paged_greedy(loaded, prompts, 2)
         split = paged_greedy(loaded, prompts, 2, split=first)
         for p, a, b in zip(prompts, whole.prompt_logits, split.prompt_logits):
-            assert rel_err(b, a) < 1e-5, f"{arch} len {len(p)} split {first}"
+            # float32 sums in another order: 1e-6 typical, up to 1.35e-5 seen (phi3's LongRoPE, CI run of issue 52)
+            assert rel_err(b, a) < 5e-5, f"{arch} (seed {seed}) len {len(p)} split {first}: {rel_err(b, a)}"
             assert rel_err(b, hf_logits(torch_model, p)) < 1e-4
 
 
