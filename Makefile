@@ -40,7 +40,8 @@ JAX011_TESTS ?= tests/pallas_kernels/test_kernels.py tests/pallas_kernels/test_n
 	tests/pallas_kernels/test_tpu_kernel.py tests/pallas_kernels/test_jax_triton_call.py \
 	tests/models/test_paged_forward.py tests/models/test_models.py tests/scripts/test_aot_compile.py \
 	tests/pallas_kernels/test_native_quantized_matmul.py tests/pallas_kernels/test_kv_quantized.py \
-	tests/pallas_kernels/test_native_grouped_matmul.py tests/models/test_moe_layer.py
+	tests/pallas_kernels/test_native_grouped_matmul.py tests/models/test_moe_layer.py \
+	tests/pallas_kernels/test_gpu_compile.py
 
 $(VENV_JAX011)/bin/python:
 	$(PYTHON312) -m venv $(VENV_JAX011)

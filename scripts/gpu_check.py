@@ -13,12 +13,22 @@ replaced by one line saying why (e.g. "jax-triton: not installed"), which does n
 On a jax without Pallas' Triton backend the Pallas rows are skipped the same way. --smoke skips
 jax-triton (triton_call needs a GPU; tests/pallas_kernels/test_jax_triton.py checks the kernel on CPU).
 
-Cases (defaults): decode with batch 64, 32 query / 8 KV heads, head_dim 128, bf16, block 16, at
-mixed contexts up to 4k and at 4k for all; a small-batch long-context decode (split-K); chunked
-prefill of 512-token chunks behind cached prefixes, and fresh 1k prompts. --smoke runs three of
-them (mixed decode, split-K decode with 2 splits forced, prefill behind prefix). Every cache slot no
-sequence owns is NaN (and unused block-table entries point at the NaN null block), so a kernel
-that reads past a context shows up as a mismatch.
+Cases (defaults): decode with batch 64, 32 query / 8 KV heads, head_dim 128, bf16, block 16, at mixed contexts up to
+4k, at 2k for all (the bandwidth target: >= 70% of the copy's) and at 4k for all; a small-batch long-context decode
+(split-K); chunked prefill of 512-token chunks behind cached prefixes, and fresh 1k prompts. --smoke runs three of
+them (mixed decode, split-K decode with 2 splits forced, prefill behind prefix). Every cache slot no sequence owns
+is NaN (and unused block-table entries point at the NaN null block), so a kernel that reads past a context shows up
+as a mismatch.
+
+Engine runs (after the kernels; --engine_models, none with --no_engine): the whole engine (LLMEngine, its default
+GPU attention kernel) on random-weight models of SmolLM2-135M's and Llama-3-8B's shapes (bfloat16): for each
+--engine_batches batch, that many requests of --engine_prompt prompt tokens and --engine_output output tokens
+(greedy, EOS ignored) submitted at once; prefill tok/s = prompt tokens / time until every request has its first
+token, decode tok/s = the later tokens / the time after. Then a jax.profiler trace of --profile_steps decode steps
+at batch 64 (the largest batch in --smoke) is read back (jax.profiler.ProfileData): how much of the traced window
+the device was busy, and the gaps between its kernels longer than 50 us, where the device waited for the host.
+--smoke runs a tiny Llama on whatever backend is here (the CPU: the XLA thread's ops stand for the device's
+kernels).
 
 Timing is device-synchronised: after a compile + warm-up call, each trial launches `--inner`
 calls back to back and waits for the last with jax.block_until_ready; the median per-call time
@@ -70,12 +80,20 @@ def parse_args(argv=None):
     p.add_argument("--copy_gib", type=float, default=1.0, help="size of the copy-bandwidth array")
     p.add_argument("--seed", type=int, default=None, help="default: fresh, printed")
     p.add_argument("--json_out", default=None)
+    p.add_argument("--no_engine", action="store_true", help="the kernel table only")
+    p.add_argument("--engine_models", default="smollm2-135m,llama3-8b", help=f"of {', '.join(ENGINE_MODELS)}")
+    p.add_argument("--engine_batches", default="1,16,64,256")
+    p.add_argument("--engine_prompt", type=int, default=512, help="prompt tokens a request")
+    p.add_argument("--engine_output", type=int, default=128, help="output tokens a request")
+    p.add_argument("--profile_steps", type=int, default=32)
     args = p.parse_args(argv)
     if args.smoke:
         args.batch, args.q_heads, args.kv_heads, args.head_dim = 3, 4, 2, 32
         args.block_size, args.max_context, args.split_batch = 8, 40, 2
         args.prefill_seqs, args.prefill_chunk = 2, 6
         args.trials, args.inner, args.copy_gib = 3, 1, 1 / 128
+        args.engine_models, args.engine_batches, args.engine_prompt, args.engine_output = "tiny", "1,4", 24, 6
+        args.profile_steps = 4
     return args
 
 
@@ -237,6 +255,150 @@ def run_case(name, shape, kernel, ref, operands, bytes_read, flops, args):
                 gb_per_s=bytes_read / t_kernel / 1e9, tflop_per_s=flops / t_kernel / 1e12)
 
 
+# ----------------------------------------------------------------------------- the engine end to end
+
+# Random-weight models of these shapes (bfloat16): name -> ModelConfig fields.
+ENGINE_MODELS = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                         num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, rope_theta=500000.0),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16),
+}
+
+
+def engine_runs(args, seed) -> dict:
+    """{model: {"attention": impl, "rows": [per batch], "profile": decode_profile}} (module docstring)."""
+    from engine.config import EngineConfig  # noqa: PLC0415 (the kernel table needs none of the engine)
+    from engine.llm_engine import LLMEngine  # noqa: PLC0415
+    from models.config import ModelConfig  # noqa: PLC0415
+    from models.loading import random_model  # noqa: PLC0415
+
+    batches = [int(b) for b in args.engine_batches.split(",")]
+    dtype = jnp.float32 if args.smoke else jnp.bfloat16
+    results = {}
+    for name in args.engine_models.split(","):
+        cfg = ModelConfig(model_type="llama", max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,),
+                          pad_token_id=0, **ENGINE_MODELS[name])
+        model = random_model(cfg, dtype, seed)
+        context = args.engine_prompt + args.engine_output
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=max(batches), max_model_len=context,
+                                               max_num_batched_tokens=max(2048, args.engine_prompt),
+                                               memory_fraction=0.8))
+        t0 = time.perf_counter()
+        engine.warmup(sampling=False)
+        warmup_s = time.perf_counter() - t0
+        rng = np.random.default_rng(seed)
+        rows = [engine_batch(engine, rng, cfg.vocab_size, batch, args.engine_prompt, args.engine_output)
+                for batch in batches]
+        profile = decode_profile(engine, rng, cfg.vocab_size, min(64, max(batches)), args)
+        results[name] = dict(attention=engine.runner.kernels.attention, warmup_s=warmup_s,
+                             rows=rows, profile=profile)
+        del engine, model
+    return results
+
+
+def _greedy(output_len):
+    from engine.sampling_params import SamplingParams  # noqa: PLC0415
+
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+
+def engine_batch(engine, rng, vocab, batch, prompt_len, output_len) -> dict:
+    """`batch` requests at once: prefill tok/s until every one has its first token, decode tok/s after."""
+    t0 = time.perf_counter()
+    for _ in range(batch):
+        engine.add_request(None, rng.integers(3, vocab, prompt_len).tolist(), _greedy(output_len))
+    started, produced, t_first = set(), 0, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            produced += sum(len(o.token_ids) for o in out.outputs)
+            started.add(out.request_id)
+        if t_first is None and len(started) == batch:
+            t_first, produced_first = time.perf_counter(), produced
+    t_end = time.perf_counter()
+    decode_tokens = produced - produced_first
+    return dict(batch=batch, prompt=prompt_len, output=output_len, prefill_s=t_first - t0,
+                prefill_tok_s=batch * prompt_len / (t_first - t0), decode_s=t_end - t_first,
+                decode_tok_s=decode_tokens / (t_end - t_first) if t_end > t_first else float("nan"),
+                decode_step_ms=1e3 * (t_end - t_first) / max(1, output_len - 1))
+
+
+def decode_profile(engine, rng, vocab, batch, args) -> dict:
+    """A jax.profiler trace of `args.profile_steps` decode steps at `batch`, summarised (device_gaps)."""
+    import glob  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    for _ in range(batch):
+        engine.add_request(None, rng.integers(3, vocab, 16).tolist(), _greedy(args.profile_steps + 8))
+    for _ in range(4):  # past the prefill, into steady decode
+        engine.step()
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(args.profile_steps):
+                engine.step()
+        (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+        summary = device_gaps(jax.profiler.ProfileData.from_file(path))
+    while engine.has_unfinished():
+        engine.step()
+    return {**summary, "batch": batch, "steps": args.profile_steps}
+
+
+def device_gaps(profile, min_gap_us: float = 50.0) -> dict:
+    """How busy the device was over a trace: the union of its kernels' intervals (GPU: the "/device:GPU:N" planes'
+    stream lines; without one, the host's XLA client thread, where the CPU runs the programs) against the window
+    from the first to the last, and the idle gaps longer than `min_gap_us` (the device waiting for the host)."""
+    intervals, source = [], None
+    for plane in profile.planes:
+        if plane.name.startswith("/device:GPU"):
+            lines = [line for line in plane.lines if line.name.startswith("Stream")]
+            source = "gpu"
+        elif plane.name == "/host:CPU" and source is None:
+            lines = [line for line in plane.lines if "XLAPjRtCpuClient" in line.name]
+        else:
+            continue
+        for line in lines:
+            intervals += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events if e.duration_ns > 0]
+    if not intervals:
+        return dict(source=source or "none", kernels=0)
+    intervals.sort()
+    busy, gaps = 0.0, []
+    start, end = intervals[0]
+    for s, e in intervals[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append(s - end)
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    window = end - intervals[0][0]
+    long_gaps = [g / 1e3 for g in gaps if g / 1e3 > min_gap_us]
+    return dict(source=source or "host-xla", kernels=len(intervals), window_ms=window / 1e6,
+                busy_pct=100.0 * busy / window if window else 0.0, gaps_over_50us=len(long_gaps),
+                largest_gap_us=max(long_gaps, default=0.0), gap_ms_total=sum(long_gaps) / 1e3)
+
+
+def print_engine_tables(engine: dict) -> None:
+    print("\nengine end to end (random weights, greedy, EOS ignored)")
+    print(f"{'model':<14} {'attention':<11} {'batch':>5} {'prompt':>6} {'output':>6} {'prefill tok/s':>14} "
+          f"{'decode tok/s':>13} {'decode ms/step':>15}")
+    for name, result in engine.items():
+        for r in result["rows"]:
+            print(f"{name:<14} {result['attention']:<11} {r['batch']:>5} {r['prompt']:>6} {r['output']:>6} "
+                  f"{r['prefill_tok_s']:>14.0f} {r['decode_tok_s']:>13.0f} {r['decode_step_ms']:>15.2f}")
+    print("\ndecode under jax.profiler (device busy over the traced window; gaps: the device waiting)")
+    for name, result in engine.items():
+        p = result["profile"]
+        if not p.get("kernels"):
+            print(f"{name:<14} no device events in the trace ({p['source']})")
+            continue
+        print(f"{name:<14} batch {p['batch']}, {p['steps']} steps: {p['kernels']} kernels over {p['window_ms']:.1f} "
+              f"ms, busy {p['busy_pct']:.1f}%, {p['gaps_over_50us']} gaps > 50 us (largest {p['largest_gap_us']:.0f} "
+              f"us, {p['gap_ms_total']:.2f} ms in all) [{p['source']}]")
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -280,7 +442,8 @@ def main(argv=None):
         rows += [{**r, "kernel": "jax-triton " + r["kernel"]} for r in jt_rows]
     else:
         skipped["jax-triton"] = why_not
-    return report(args, rows, skipped, copy_gbs, copy_s, device, seed, interpret, t_start)
+    engine = {} if args.no_engine else engine_runs(args, seed)
+    return report(args, rows, skipped, copy_gbs, copy_s, device, seed, interpret, t_start, engine)
 
 
 def run_cases(args, rng, key, *, decode_kernel, split_kernel, prefill_kernel):
@@ -292,6 +455,8 @@ def run_cases(args, rng, key, *, decode_kernel, split_kernel, prefill_kernel):
     rows.append(decode_case("decode mixed ctx", rng, jax.random.fold_in(key, 10), args,
                             args.batch, mixed, decode_kernel))
     if not args.smoke:
+        rows.append(decode_case("decode 2k ctx", rng, jax.random.fold_in(key, 15), args,
+                                args.batch, [min(2048, max_ctx)] * args.batch, decode_kernel))
         rows.append(decode_case("decode full ctx", rng, jax.random.fold_in(key, 11), args,
                                 args.batch, [max_ctx] * args.batch, decode_kernel))
     # Few sequences: split-K on GPU (chosen automatically; forced in interpret mode).
@@ -308,14 +473,16 @@ def run_cases(args, rng, key, *, decode_kernel, split_kernel, prefill_kernel):
     return rows
 
 
-def report(args, rows, skipped, copy_gbs, copy_s, device, seed, interpret, t_start):
-    """Print the table, write --json_out; exit status 0 when every kernel matched.
-    skipped: {kernel family: why it did not run here}."""
+def report(args, rows, skipped, copy_gbs, copy_s, device, seed, interpret, t_start, engine=None):
+    """Print the tables, write --json_out; exit status 0 when every kernel matched.
+    skipped: {kernel family: why it did not run here}; engine: engine_runs' result (None: not run)."""
     for r in rows:
         r["pct_copy_bw"] = 100.0 * r["gb_per_s"] / copy_gbs
     print_table(rows, copy_gbs)
     for kernel, why in skipped.items():
         print(f"{kernel}: {why}")
+    if engine:
+        print_engine_tables(engine)
     elapsed = time.perf_counter() - t_start
     all_ok = bool(rows) and all(r["ok"] for r in rows)  # nothing checked is no pass
     print(f"{'all kernels match their references' if all_ok else 'MISMATCH'} "
@@ -324,7 +491,7 @@ def report(args, rows, skipped, copy_gbs, copy_s, device, seed, interpret, t_sta
         result = dict(device=device.device_kind, backend=jax.default_backend(),
                       jax_version=jax.__version__, seed=seed, interpret=interpret,
                       args=vars(args), copy_gb_per_s=copy_gbs, copy_ms=copy_s * 1e3,
-                      cases=rows, skipped=skipped, all_ok=all_ok, elapsed_s=elapsed)
+                      cases=rows, skipped=skipped, engine=engine, all_ok=all_ok, elapsed_s=elapsed)
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=2)
     return 0 if all_ok else 1

@@ -13,8 +13,9 @@ Prints three markdown tables and, with --json_out, writes them as JSON:
   2. lowering: jax.export for CUDA (Pallas-Triton) and TPU (Mosaic) from this host at the model
      head shapes (pallas_kernels/lowering.py), with the jax version in the title: run it once per
      environment (jax 0.10.2 and 0.11.2) to fill both columns.
-  3. sm_80 / sm_90: the jax-triton kernel compiled by triton.compile with no GPU (PTX, cubin and
-     shared-memory bytes), bfloat16.
+  3. sm_80 / sm_89 / sm_90: the jax-triton kernel compiled by triton.compile with no GPU, every configuration
+     of its tuned table and its variants (pallas_kernels/triton/gpu_compile.py): registers, spill bytes, shared
+     memory against the architecture's, and the PTX's vector and scalar K/V loads.
 An implementation whose package is missing here is listed with the reason, not dropped.
 Exits 1 if any error exceeds the tests' tolerance or any lowering/compile fails.
 """
@@ -49,6 +50,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one head shape, sm_90 only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2, help="GPU compiles at a time")
     p.add_argument("--json_out", default=None)
     return p.parse_args(argv)
 
@@ -155,30 +157,22 @@ def lowering_rows(shapes) -> list[dict]:
     return rows
 
 
-def compile_rows(shapes, capabilities) -> list[dict]:
+def compile_rows(smoke: bool, workers: int) -> list[dict]:
+    """The jax-triton kernel's compile / spill / vector-load rows (pallas_kernels/triton/gpu_compile.py): every
+    configuration of its tuned table and its variants; --smoke: sm_90 bfloat16 head_dim 128, 16-token pages."""
     try:
-        from pallas_kernels.triton.jax_triton import compile_for_gpu
+        from pallas_kernels.triton import gpu_compile
     except ImportError as e:
-        return [dict(shape="*", capability="*", mode="*", status=f"n/a: {_first_line(e)}")]
+        return [dict(case="*", status=f"n/a: {_first_line(e)}")]
+    cases = gpu_compile.table_cases()
+    if smoke:
+        plain = [c for c in cases if not (c.soft_cap or c.has_sinks or c.kv_dtype or c.num_splits > 1)]
+        cases = [c for c in plain
+                 if (c.compute_capability, c.dtype, c.head_dim, c.block_size) == (90, "bfloat16", 128, 16)]
     rows = []
-    for name in shapes:
-        hq, hkv, d = MODEL_HEAD_SHAPES[name]
-        for decode in (True, False):
-            for cc in capabilities:
-                t0 = time.perf_counter()
-                row = dict(shape=name, heads=f"{hq}/{hkv}x{d}", capability=f"sm_{cc}",
-                           mode="decode" if decode else "prefill")
-                try:
-                    asm = compile_for_gpu((8 if decode else 256, hq, d), (512, 16, hkv, d),
-                                          jnp.bfloat16, table_width=64, num_seqs=8, decode=decode,
-                                          compute_capability=cc, scale=d ** -0.5)
-                    ok = f".target sm_{cc}" in asm["ptx"] and asm["cubin"][:4] == b"\x7fELF"
-                    row.update(status="ok" if ok else "FAIL: no sm PTX / cubin",
-                               ptx_bytes=len(asm["ptx"]), cubin_bytes=len(asm["cubin"]),
-                               shared_bytes=asm["shared"])
-                except Exception as e:  # noqa: BLE001
-                    row.update(status="FAIL: " + _first_line(e))
-                rows.append({**row, "seconds": time.perf_counter() - t0})
+    for row in gpu_compile.check_cases(cases, workers=workers):
+        problems = gpu_compile.passes(row)
+        rows.append({**row, "status": "ok" if not problems else "FAIL: " + "; ".join(problems)})
     return rows
 
 
@@ -203,14 +197,18 @@ def print_tables(errors, lowering, compiles):
         if r["platform"] == "cuda":
             tpu = by_key[(r["shape"], r["mode"], "tpu")]["status"]
             print(f"| {r['shape']} | {r['heads']} | {r['mode']} | {r['status']} | {tpu} |")
-    print("\n### jax-triton kernel compiled without a GPU (triton.compile, bfloat16)\n")
-    print("| shape | heads | mode | target | status | PTX KB | cubin KB | shared KB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n### jax-triton kernel compiled without a GPU (triton.compile as triton_call would, ptxas -v)\n")
+    print("| configuration | keys | q rows | warps | stages | registers | spill stores | shared KB (limit) "
+          "| vector loads | scalar K/V loads | status |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in compiles:
-        sizes = (f"{r['ptx_bytes'] / 1024:.0f} | {r['cubin_bytes'] / 1024:.0f} | "
-                 f"{r['shared_bytes'] / 1024:.0f}" if "ptx_bytes" in r else "- | - | -")
-        print(f"| {r['shape']} | {r.get('heads', '*')} | {r['mode']} | {r['capability']} | "
-              f"{r['status']} | {sizes} |")
+        if "registers" not in r:
+            print(f"| {r['case']} | | | | | | | | | | {r['status']} |")
+            continue
+        rows = r["block_q"] * (r["num_q_heads"] // r["num_kv_heads"])
+        print(f"| {r['case']} | {r['tile_keys']} | {rows} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | "
+              f"{r['spill_stores']} | {r['shared'] / 1024:.0f} ({r['shared_limit'] // 1024}) | {r['vector_loads']} | "
+              f"{r['scalar_kv_loads']} | {r['status']} |")
 
 
 def main(argv=None):
@@ -219,7 +217,7 @@ def main(argv=None):
     shapes = ["llama3-8b"] if args.smoke else list(MODEL_HEAD_SHAPES)
     errors = error_rows(args.smoke, args.seed)
     lowering = lowering_rows(shapes)
-    compiles = compile_rows(shapes, (90,) if args.smoke else (80, 90))
+    compiles = compile_rows(args.smoke, args.workers)
     print_tables(errors, lowering, compiles)
     failed = [r for r in errors + lowering + compiles
               if not (r["status"].startswith("ok") or r["status"].startswith("n/a"))]

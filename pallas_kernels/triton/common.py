@@ -16,6 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kv_quant import SCALE_ELEMS, is_quantized
+from pallas_kernels.triton import tuned_block_sizes
 
 try:  # jax >= 0.4.3x: the Triton backend lives in pallas.triton
     from jax.experimental.pallas import triton as plgpu
@@ -82,35 +83,60 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def default_pages_per_step(block_size: int, target_tokens: int = 64) -> int:
-    """Pages per loop step: a tile of ~target_tokens keys, and never fewer than 16 (dot)."""
-    return max(1, max(target_tokens, MIN_DOT_DIM) // block_size)
-
-
-def default_num_warps(head_dim_padded: int, tile_keys: int) -> int:
-    # Each K/V element of a tile is a gathered pointer held in registers: wide tiles (head_dim
-    # 256, or 128-token pages) spill with 4 warps (checked with ptxas for sm_90a), not with 8.
-    return 8 if head_dim_padded >= 256 or tile_keys >= 128 else 4
-
-
-def default_num_stages(dtype) -> int:
-    # Two-stage pipelining of the page loads; float32 tiles are twice the size and with two
-    # stages the head_dim-256 prefill needs ~208 KiB of shared memory, so use one.
-    return 2 if jnp.dtype(dtype).itemsize <= 2 else 1
-
-
-def kernel_tuning(block_size: int, head_dim_padded: int, dtype, *, pages_per_step: int | None,
-                  num_warps: int | None, num_stages: int | None, target_tokens: int = 64):
-    """(pages_per_step, num_warps, num_stages): the given ones, the defaults for those None."""
+def kernel_tuning(block_size: int, head_dim_padded: int, dtype, *, decode: bool, pages_per_step: int | None,
+                  num_warps: int | None, num_stages: int | None, compute_capability: int | None):
+    """(pages_per_step, num_warps, num_stages, rows): the given ones, and for those None the tuned table's
+    (tuned_block_sizes.py) for `compute_capability` (None: the local GPU's, sm_90 without one): whole pages of its
+    keys a step (these kernels step over pages), its warps and stages; rows: its query rows a prefill tile.
+    float32 steps half the table's keys: these kernels' address arithmetic keeps more registers live than the
+    jax-triton kernel's, and ptxas spills float32 tiles of the full width (tests/pallas_kernels/test_gpu_compile.py)."""
+    blocks = tuned_block_sizes.lookup(compute_capability or gpu_compute_capability(), decode=decode, dtype=dtype,
+                                      head_dim_padded=head_dim_padded, block_size=block_size)
     if pages_per_step is None:
-        pages_per_step = default_pages_per_step(block_size, target_tokens)
+        keys = blocks.tile_keys // 2 if jnp.dtype(dtype).itemsize >= 4 else blocks.tile_keys
+        pages_per_step = max(1, keys // block_size, MIN_DOT_DIM // block_size)
     if pages_per_step * block_size < MIN_DOT_DIM or pages_per_step & (pages_per_step - 1):
         raise ValueError(f"pages_per_step={pages_per_step} must be a power of two giving >= 16 keys")
-    if num_warps is None:
-        num_warps = default_num_warps(head_dim_padded, pages_per_step * block_size)
-    if num_stages is None:
-        num_stages = default_num_stages(dtype)
-    return pages_per_step, num_warps, num_stages
+    return (pages_per_step, num_warps or blocks.num_warps, num_stages or blocks.num_stages, blocks.rows)
+
+
+def choose_num_splits(programs: int, max_steps: int, num_cores: int) -> int:
+    """Split-K (FlashDecoding) shares of each sequence's keys, for a decode launch of `programs` (sequence, KV
+    head) programs whose longest context is `max_steps` loop steps: enough that the programs fill the GPU's
+    `num_cores` SMs twice over, each share keeping at least ~4 loop steps; a power of two, at most 16."""
+    if programs >= 2 * num_cores:
+        return 1
+    wanted = -(-2 * num_cores // programs)
+    splits = max(1, min(wanted, max_steps // 4, 16))
+    return 1 << (splits.bit_length() - 1)  # power of two, rounded down
+
+
+def combine_splits(acc, m, l, sinks, dtype):
+    """Split-K's partials -> the attention output: acc [K, ..., D] float32 (unnormalised), m / l [K, ...] each
+    split's running max and sum; every partial rescaled to the global max (FlashDecoding). sinks: None, or
+    float32 [Hq] (the last axis of m): one more logit of each head, in the denominator only."""
+    m_max = m.max(axis=0)
+    if sinks is not None:
+        m_max = jnp.maximum(m_max, sinks)
+    w = jnp.exp(m - m_max[None])  # empty splits have l == 0, acc == 0
+    l_sum = (w * l).sum(axis=0)
+    if sinks is not None:
+        l_sum = l_sum + jnp.exp(sinks - m_max)
+    o = (w[..., None] * acc).sum(axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
+    return o.astype(dtype)
+
+
+def gpu_compute_capability(default: int = 90) -> int:
+    """The local GPU's compute capability as an integer (H100: 90, A100: 80, L4: 89); `default` without one."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return default
+    version = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+    if not version:
+        return default
+    major, _, minor = str(version).partition(".")
+    return int(major) * 10 + int(minor or 0)
 
 
 def gpu_core_count(default: int = 132) -> int:

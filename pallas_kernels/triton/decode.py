@@ -43,6 +43,8 @@ from pallas_kernels.triton.common import (
     attend_pages,
     call_kernel,
     check_sinks,
+    choose_num_splits,
+    combine_splits,
     first_visible_key,
     first_window_page,
     gpu_core_count,
@@ -54,20 +56,6 @@ from pallas_kernels.triton.common import (
     normalise,
     paged_cache_dims,
 )
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_pages: int, pages_per_step: int,
-                      num_cores: int) -> int:
-    """FlashDecoding splits so that (sequence, KV head, split) programs fill the GPU twice over,
-    while keeping at least ~4 loop steps per split of the longest possible context."""
-    programs = num_seqs * num_kv_heads
-    if programs >= 2 * num_cores:
-        return 1
-    wanted = pl.cdiv(2 * num_cores, programs)
-    max_useful = max(1, pl.cdiv(max_pages, pages_per_step) // 4)
-    splits = max(1, min(wanted, max_useful, 16))
-    return 1 << (splits.bit_length() - 1)  # power of two, rounded down
-
 
 # ----------------------------------------------------------------------------- kernel
 
@@ -91,6 +79,7 @@ def _decode_kernel(
     num_splits: int,
     scale: float,
     soft_cap: float | None,
+    interpret: bool,
 ):
     out_refs = rest[-num_outputs:]
     first_keys_ref = rest[0] if windowed else None
@@ -107,14 +96,15 @@ def _decode_kernel(
     head = kv_head * group + g
     row_ok = g < group
     col_ok = d < head_dim
-    # Loads clamp the indices of masked-off lanes into bounds: the mask already keeps them from
-    # being read on GPU, and in interpret mode the gather then never sees an out-of-range index.
-    # Stores must NOT clamp (a clamped lane would alias a real element and, in interpret mode,
+    # In interpret mode loads clamp the indices of masked-off lanes into bounds, so its gathers never see an
+    # out-of-range index. On GPU the mask alone keeps them from being read, and the feature index must stay
+    # unclamped: min(d, head_dim - 1) hides its contiguity from Triton, whose loads then go one element at a time
+    # instead of 16 bytes. Stores must NOT clamp (a clamped lane would alias a real element and, in interpret mode,
     # write its old value back over it); their masked-off lanes point past the array or at
     # another head's row, which the mask (GPU) or the write-back of the old value (interpret,
     # where out-of-range scatter updates are dropped) leaves untouched.
     head_c = jnp.minimum(head, num_q_heads - 1)
-    d_c = jnp.minimum(d, head_dim - 1)
+    d_c = jnp.minimum(d, head_dim - 1) if interpret else d
     q = masked_load(q_ref, (seq, head_c[:, None], d_c[None, :]),
                     row_ok[:, None] & col_ok[None, :], 0)
 
@@ -165,7 +155,7 @@ def _decode_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=["scale", "soft_cap", "num_splits", "pages_per_step", "num_warps",
-                     "num_stages", "interpret"])
+                     "num_stages", "compute_capability", "interpret"])
 def paged_decode_attention(
     q, k_pages, v_pages, block_tables, context_lens, *,
     scale: float,
@@ -176,6 +166,7 @@ def paged_decode_attention(
     pages_per_step: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    compute_capability: int | None = None,
     interpret: bool = False,
 ):
     """Decode attention over a paged KV cache: q [S, Hq, D] -> [S, Hq, D] (q's dtype).
@@ -186,6 +177,8 @@ def paged_decode_attention(
     num_splits: FlashDecoding page splits per sequence; None picks 1 in interpret mode and, on
       GPU, enough to fill the machine when S * num_kv_heads is small (see choose_num_splits).
     pages_per_step: pages per loop step (tile = pages_per_step * block_size keys, >= 16).
+    compute_capability: the GPU whose tuned tiles, warps and stages fill in those not given (tuned_block_sizes.py;
+      default: the local GPU's, sm_90 without one).
     interpret: run the kernel in Pallas interpret mode (any backend). Outputs then start as
       NaN-filled buffers aliased into the kernel, so an element it fails to write shows up.
     """
@@ -198,12 +191,12 @@ def paged_decode_attention(
     group_padded = max(MIN_DOT_DIM, next_pow2(group))
     head_dim_padded = max(MIN_DOT_DIM, next_pow2(head_dim))
     table_width = block_tables.shape[1]
-    pages_per_step, num_warps, num_stages = kernel_tuning(
-        block_size, head_dim_padded, q.dtype, pages_per_step=pages_per_step, num_warps=num_warps,
-        num_stages=num_stages)
+    pages_per_step, num_warps, num_stages, _ = kernel_tuning(
+        block_size, head_dim_padded, q.dtype, decode=True, pages_per_step=pages_per_step, num_warps=num_warps,
+        num_stages=num_stages, compute_capability=compute_capability)
     if num_splits is None:
         num_splits = 1 if interpret else choose_num_splits(
-            num_seqs, num_kv_heads, table_width, pages_per_step, gpu_core_count())
+            num_seqs * num_kv_heads, pl.cdiv(table_width, pages_per_step), gpu_core_count())
 
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -223,7 +216,7 @@ def paged_decode_attention(
         _decode_kernel, num_outputs=len(out_shape), windowed=windowed, sinks_in_kernel=sinks_in_kernel,
         group=group, group_padded=group_padded,
         head_dim_padded=head_dim_padded, pages_per_step=pages_per_step, num_splits=num_splits,
-        scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap))
+        scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap), interpret=interpret)
     outs = call_kernel(
         kernel, inputs, out_shape, grid=(num_seqs, num_kv_heads, num_splits), interpret=interpret,
         num_warps=num_warps, num_stages=num_stages,
@@ -232,14 +225,5 @@ def paged_decode_attention(
 
     if num_splits == 1:
         return outs[0]
-    # Combine the splits (FlashDecoding): rescale every partial to the global max.
     acc, m, l = outs
-    m_max = m.max(axis=0)
-    if sinks is not None:  # the sink: one more logit of each head, in the denominator only
-        m_max = jnp.maximum(m_max, sinks[None, :])
-    w = jnp.exp(m - m_max[None])          # [K, S, Hq]; empty splits have l == 0, acc == 0
-    l_sum = (w * l).sum(axis=0)
-    if sinks is not None:
-        l_sum = l_sum + jnp.exp(sinks[None, :] - m_max)
-    o = (w[..., None] * acc).sum(axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
-    return o.astype(q.dtype)
+    return combine_splits(acc, m, l, sinks, q.dtype)

@@ -75,7 +75,8 @@ def _prefill_kernel(
     scale: float,
     soft_cap: float | None,
     windowed: bool,
-    has_sinks: bool = False,
+    has_sinks: bool,
+    interpret: bool,
 ):
     o_ref = rest[-1]
     sinks_ref = rest[0] if has_sinks else None
@@ -99,7 +100,7 @@ def _prefill_kernel(
     q_pos = pos0 + tok_in_tile
     d = jnp.arange(head_dim_padded)
     col_ok = d < head_dim
-    d_c = jnp.minimum(d, head_dim - 1)  # clamped for loads only (see the decode kernel)
+    d_c = jnp.minimum(d, head_dim - 1) if interpret else d  # clamped for interpret-mode loads (see decode.py)
     q = masked_load(
         q_ref,
         (jnp.minimum(tok, num_tokens - 1)[:, None], jnp.minimum(head, num_q_heads - 1)[:, None],
@@ -175,7 +176,7 @@ def tile_table(query_start_loc, context_lens, num_tokens: int, block_q: int, num
 @functools.partial(
     jax.jit,
     static_argnames=["scale", "soft_cap", "block_q", "pages_per_step", "num_warps",
-                     "num_stages", "interpret"])
+                     "num_stages", "compute_capability", "interpret"])
 def paged_prefill_attention(
     q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
     scale: float,
@@ -186,6 +187,7 @@ def paged_prefill_attention(
     pages_per_step: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    compute_capability: int | None = None,
     interpret: bool = False,
 ):
     """Chunked prefill over a paged KV cache: flat q [T, Hq, D] -> [T, Hq, D] (q's dtype).
@@ -196,6 +198,8 @@ def paged_prefill_attention(
     block_q: query tokens per tile (power of two); a tile has block_q * next_pow2(group) rows,
       by default ~64 (~32 for float32), at least 16 (Triton's dot).
     pages_per_step: pages per loop step (tile = pages_per_step * block_size keys, >= 16).
+    compute_capability: the GPU whose tuned tiles, warps and stages fill in those not given (tuned_block_sizes.py;
+      default: the local GPU's, sm_90 without one).
     interpret: Pallas interpret mode; the output then starts as a NaN-filled aliased buffer,
       so an element the kernel fails to write shows up.
     """
@@ -208,17 +212,14 @@ def paged_prefill_attention(
     group = num_q_heads // num_kv_heads
     group_padded = next_pow2(group)
     head_dim_padded = max(MIN_DOT_DIM, next_pow2(head_dim))
-    # Tiles of ~64 query rows x 64 keys; float32 (no tensor cores for IEEE fp32, twice the
-    # registers) uses 32 x 32, which ptxas compiles without spills.
-    target = 32 if jnp.dtype(q.dtype).itemsize >= 4 else 64
+    pages_per_step, num_warps, num_stages, rows = kernel_tuning(
+        block_size, head_dim_padded, q.dtype, decode=False, pages_per_step=pages_per_step, num_warps=num_warps,
+        num_stages=num_stages, compute_capability=compute_capability)
     if block_q is None:
-        block_q = max(1, target // group_padded)
+        block_q = max(1, rows // group_padded)
     block_q = max(block_q, pl.cdiv(MIN_DOT_DIM, group_padded))  # rows >= 16 for the dot
     if block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
-    pages_per_step, num_warps, num_stages = kernel_tuning(
-        block_size, head_dim_padded, q.dtype, pages_per_step=pages_per_step, num_warps=num_warps,
-        num_stages=num_stages, target_tokens=target)
 
     # Each of the S + 1 segments adds at most one partial tile.
     num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs + 1
@@ -232,7 +233,8 @@ def paged_prefill_attention(
     kernel = functools.partial(
         _prefill_kernel, group=group, group_padded=group_padded, block_q=block_q,
         head_dim_padded=head_dim_padded, pages_per_step=pages_per_step, scale=float(scale),
-        soft_cap=None if soft_cap is None else float(soft_cap), windowed=windowed, has_sinks=sinks is not None)
+        soft_cap=None if soft_cap is None else float(soft_cap), windowed=windowed, has_sinks=sinks is not None,
+        interpret=interpret)
     (out,) = call_kernel(
         kernel, inputs, [jax.ShapeDtypeStruct(q.shape, q.dtype)], grid=(num_tiles, num_kv_heads),
         interpret=interpret, num_warps=num_warps, num_stages=num_stages,

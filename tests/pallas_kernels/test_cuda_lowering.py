@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from helpers.cuda_lowering import lower_for_cuda
 from pallas_kernels.attention import paged_attention
-from pallas_kernels.lowering import TRITON_CALL_TARGETS, export_for
 from pallas_kernels.triton.decode import paged_decode_attention
 from pallas_kernels.triton.prefill import paged_prefill_attention
 
@@ -58,20 +58,6 @@ def _specs(hq, hkv, d, dtype, num_rows):
     )
 
 
-def _lower_for_cuda(f, specs):
-    try:
-        text = export_for("cuda", f, specs)
-    except RuntimeError as e:
-        if "does not have a Triton compilation handler" in str(e):
-            pytest.skip(f"this jaxlib compiles Triton to PTX while lowering and no CUDA Triton "
-                        f"compilation handler is registered (no CUDA plugin here): {e}")
-        raise
-    assert any(call in text for call in TRITON_CALL_TARGETS), \
-        f"no Triton custom call in the CUDA lowering:\n{text[:2000]}"
-    assert "mosaic_gpu" not in text, "lowered through Mosaic GPU, not Triton"
-    return text
-
-
 @pytest.mark.parametrize("model", list(MODEL_SHAPES))
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 def test_lowers_for_cuda(model, decode):
@@ -83,7 +69,7 @@ def test_lowers_for_cuda(model, decode):
         return paged_attention(q, k, v, tables, lens, qsl, decode=decode, scale=d ** -0.5,
                                soft_cap=soft_cap, impl="pallas")
 
-    _lower_for_cuda(f, specs)
+    lower_for_cuda(f, specs)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -93,7 +79,7 @@ def test_split_k_decode_lowers_for_cuda(dtype):
     def f(q, k, v, tables, lens):
         return paged_decode_attention(q, k, v, tables, lens, scale=0.088, num_splits=4)
 
-    _lower_for_cuda(f, specs)
+    lower_for_cuda(f, specs)
 
 
 @pytest.mark.parametrize("block_size", [8, 32, 128])
@@ -108,7 +94,7 @@ def test_block_sizes_lower_for_cuda(block_size):
             q = q[:4] if decode else q
             return paged_attention(q, k, v, tables, lens, qsl, decode=decode, scale=0.1,
                                    impl="pallas")
-        _lower_for_cuda(f, specs)
+        lower_for_cuda(f, specs)
 
 
 @pytest.mark.parametrize("model", ["llama3-8b", "gemma-2b", "head_dim-80"])
@@ -124,7 +110,7 @@ def test_sliding_window_lowers_for_cuda(model, decode):
         return paged_attention(q, k, v, tables, lens, qsl, decode=decode, scale=d ** -0.5, soft_cap=50.0,
                                sliding_window=window, impl="pallas")
 
-    _lower_for_cuda(f, specs)
+    lower_for_cuda(f, specs)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -140,8 +126,8 @@ def test_sliding_window_split_k_and_tiles_lower_for_cuda(dtype):
     def prefill(q, k, v, tables, lens, qsl, window):
         return paged_prefill_attention(q, k, v, tables, lens, qsl, scale=0.088, block_q=4, sliding_window=window)
 
-    _lower_for_cuda(decode, (*specs[:5], window))
-    _lower_for_cuda(prefill, (*specs, window))
+    lower_for_cuda(decode, (*specs[:5], window))
+    lower_for_cuda(prefill, (*specs, window))
 
 
 @pytest.mark.parametrize("decode,splits", [(True, 1), (True, 4), (False, None)], ids=["decode", "split-k", "prefill"])
@@ -158,4 +144,4 @@ def test_sinks_lower_for_cuda(decode, splits):
                                           sliding_window=window, sinks=sinks)
         return paged_prefill_attention(q, k, v, tables, lens, qsl, scale=0.125, sliding_window=window, sinks=sinks)
 
-    _lower_for_cuda(f, specs)
+    lower_for_cuda(f, specs)

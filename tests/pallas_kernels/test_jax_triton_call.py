@@ -55,3 +55,25 @@ def test_dispatch_traces_one_triton_kernel_call(decode, hq, hkv, d):
     assert dict(call.params["metaparams"]) == launch.constexprs
     (out,) = jaxpr.out_avals
     assert out.shape == (rows, hq, d) and out.dtype == jnp.bfloat16
+
+
+def test_split_k_decode_traces_one_call_and_its_combine():
+    """Few sequences over long tables: one split-K call (a grid axis of splits, three float32 partial outputs),
+    combined into q's shape and dtype."""
+    hq, hkv, d, width = 32, 8, 128, 256
+    cache = jax.ShapeDtypeStruct((512, 16, hkv, d), jnp.bfloat16)
+    specs = (jax.ShapeDtypeStruct((NUM_SEQS, hq, d), jnp.bfloat16), cache, cache,
+             jax.ShapeDtypeStruct((NUM_SEQS, width), jnp.int32), jax.ShapeDtypeStruct((NUM_SEQS,), jnp.int32))
+
+    def f(q, k, v, tables, lens):
+        return paged_attention(q, k, v, tables, lens, None, decode=True, scale=d ** -0.5, impl="jax_triton")
+
+    jaxpr = jax.make_jaxpr(f)(*specs)
+    (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "triton_kernel_call"]
+    launch = plan_launch((NUM_SEQS, hq, d), (512, 16, hkv, d), jnp.bfloat16, num_seqs=NUM_SEQS, table_width=width,
+                         decode=True, scale=d ** -0.5, soft_cap=None, num_splits=None)
+    assert launch.num_splits > 1 and tuple(call.params["grid"]) == launch.grid == (NUM_SEQS, hkv, launch.num_splits)
+    assert [tuple(v.aval.shape) for v in call.outvars] == [
+        (NUM_SEQS, hq, launch.num_splits, d), (NUM_SEQS, hq, launch.num_splits), (NUM_SEQS, hq, launch.num_splits)]
+    (out,) = jaxpr.out_avals
+    assert out.shape == (NUM_SEQS, hq, d) and out.dtype == jnp.bfloat16

@@ -32,6 +32,13 @@ def test_device_check_smoke(tmp_path, script):
 
     result = json.loads(json_out.read_text())
     assert result["all_ok"] and result["interpret"]
+    if script == "gpu_check.py":  # the engine end to end and its decode trace, on a tiny model
+        assert "engine end to end" in proc.stdout and "decode under jax.profiler" in proc.stdout, output
+        engine = result["engine"]["tiny"]
+        assert [r["batch"] for r in engine["rows"]] == [1, 4]
+        assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in engine["rows"]), engine
+        profile = engine["profile"]
+        assert profile["kernels"] > 0 and 0 < profile["busy_pct"] <= 100, profile
     assert result["copy_gb_per_s"] > 0
     assert len(result["cases"]) == 3
     for case in result["cases"]:
