@@ -11,7 +11,7 @@ Layouts are the ones in pallas_kernels/reference.py (contiguous arrays):
                                  qsl[S] to T are padding and come out as zeros
 
 One kernel serves both: decode is ragged prefill with one query row per sequence. Grid: (query
-tile, KV head); a tile is `block_q` consecutive rows of ONE sequence times the query heads that
+tile, KV head[, split]); a tile is `block_q` consecutive rows of ONE sequence times the query heads that
 share the KV head (GQA rows: row r = token r // group_padded, head r % group_padded). The tile
 table is prefill_attention.tile_table, the one the Pallas prefill kernel uses (decode: query
 starts 0..S, block_q 1). Every K/V load is a masked pointer gather through the block table, so
@@ -27,6 +27,11 @@ garbage) are never read. Without one (WINDOWED False) the kernel compiles as bef
 Attention sinks (sinks not None: float32 [Hq], reference.py) take the second entry point,
 _ragged_paged_attention_sinks_kernel, with one more pointer: each row's online softmax starts from its head's
 sink. Both entry points inline the same tile function; without sinks the kernel is the one it always was.
+
+Split-K decode (num_splits > 1; by default when sequences x KV heads are few for the GPU's SMs) takes the third,
+_ragged_paged_attention_split_kernel: each split attends to its share of a sequence's keys and writes the
+unnormalised partial, which common.combine_splits turns into the output (adding the sinks there). Tiles, warps
+and stages per GPU architecture: tuned_block_sizes.py; what they compile to: gpu_compile.py.
 
 Three ways to run the same @triton.jit function:
   * on a GPU, `paged_attention_jax_triton` (jax_triton.triton_call; the dispatch's "jax_triton");

@@ -49,7 +49,8 @@ def test_dispatch_traces_one_triton_kernel_call(decode, hq, hkv, d):
     assert in_shapes[1:] == [(rows, hq, d), (32, 16, hkv, d), (32, 16, hkv, d),
                              (NUM_SEQS, TABLE_WIDTH)], in_shapes
     launch = plan_launch((rows, hq, d), (32, 16, hkv, d), jnp.bfloat16, num_seqs=NUM_SEQS,
-                         table_width=TABLE_WIDTH, decode=decode, scale=d ** -0.5, soft_cap=30.0)
+                         table_width=TABLE_WIDTH, decode=decode, scale=d ** -0.5, soft_cap=30.0,
+                         num_splits=None)  # as the dispatch: split-K where the SMs would idle
     assert in_shapes[0] == (launch.num_tiles, 5)
     assert tuple(call.params["grid"]) == launch.grid
     assert dict(call.params["metaparams"]) == launch.constexprs
